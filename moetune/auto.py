@@ -1,0 +1,219 @@
+"""``moetune.AutoModelForCausalLM``: Transformers' auto class with moetune's implementations.
+
+For an architecture moetune implements (``moetune.models.FAMILIES``) the model is built on the
+meta device, the checkpoint is checked against it from the safetensors headers alone, the model
+is sharded if ``ep_size`` / ``device_mesh`` asks for it, and only then is memory allocated and
+each process's part of the weights read. Every other architecture goes to Transformers unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+from moetune.checkpoint import list_checkpoint_tensors, load_checkpoint, plan_checkpoint_load
+from moetune.models import family_for, set_moe_options
+from moetune.options import MoetuneOptions
+
+HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "subfolder", "proxies")
+# Transformers' loading arguments that moetune accepts and ignores (their effect is built in).
+IGNORED_LOADING_KWARGS = ("low_cpu_mem_usage", "use_safetensors", "weights_only", "_from_auto", "key_mapping")
+
+
+class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
+    """Drop-in for ``transformers.AutoModelForCausalLM`` (same arguments, plus ``MoetuneOptions``)."""
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig, **kwargs: Any):
+        options = MoetuneOptions.pop_from(kwargs)
+        family = family_for(config)
+        if family is None:
+            _check_fallback_options(config, options)
+            return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+        kwargs.setdefault("attn_implementation", "sdpa")
+        if options.distributed:
+            from moetune.distributed import parallelize_for_options
+
+            with torch.device("meta"):
+                model = family.causal_lm._from_config(config, **kwargs)
+            set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=options.experts_backend)
+            return parallelize_for_options(model, options, init_weights=True)
+        model = family.causal_lm._from_config(config, **kwargs)
+        set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=options.experts_backend)
+        return model
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args: Any, **kwargs: Any):
+        options = MoetuneOptions.pop_from(kwargs)
+        fallback_kwargs = dict(kwargs)
+        hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
+        trust_remote_code = kwargs.pop("trust_remote_code", None)
+        config = kwargs.pop("config", None)
+        dtype = kwargs.pop("dtype", None)
+        torch_dtype = kwargs.pop("torch_dtype", None)
+        dtype = dtype if dtype is not None else torch_dtype
+        attn_implementation = kwargs.pop("attn_implementation", None) or "sdpa"
+        device_map = kwargs.pop("device_map", None)
+        generation_config = kwargs.pop("generation_config", None)
+        for name in IGNORED_LOADING_KWARGS:
+            kwargs.pop(name, None)
+
+        folder = resolve_checkpoint_folder(pretrained_model_name_or_path, **hub)
+        if config is None:
+            config = _load_config(folder, trust_remote_code=trust_remote_code, overrides=kwargs)
+        elif kwargs:
+            raise TypeError(f"unexpected keyword arguments with an explicit config: {sorted(kwargs)}")
+        family = family_for(config)
+        if family is None:
+            _check_fallback_options(config, options)
+            fallback_kwargs["config"] = config
+            for key in list(fallback_kwargs):
+                if hasattr(config, key) and key not in HUB_KWARGS:
+                    fallback_kwargs.pop(key)  # already applied to the config
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                pretrained_model_name_or_path, *model_args, **fallback_kwargs
+            )
+        if model_args:
+            raise TypeError(f"{family.causal_lm.__name__} takes no positional model arguments, got {model_args!r}")
+
+        tensors = list_checkpoint_tensors(folder)
+        dtype = resolve_dtype(dtype, config, tensors)
+        device = resolve_device(device_map, distributed=options.distributed)
+        config.dtype = dtype
+        config._name_or_path = str(pretrained_model_name_or_path)
+        with torch.device("meta"):
+            model = family.causal_lm._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        plan = plan_checkpoint_load(model, tensors, model.checkpoint_layout)  # raises before allocation
+        set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=options.experts_backend)
+        if options.distributed:
+            from moetune.distributed import parallelize_for_options
+
+            model = parallelize_for_options(model, options, init_weights=False)
+        else:
+            materialize(model, device)
+        load_checkpoint(model, plan)
+        model.generation_config = _generation_config(folder, model, generation_config)
+        model.eval()
+        return model
+
+
+def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
+    """Allocate a meta-device model on ``device`` (uninitialised) and recompute its non-persistent
+    buffers (RoPE frequencies), which no checkpoint stores."""
+    model.to_empty(device=device)
+    rebuild_non_persistent_buffers(model, device)
+
+
+@torch.no_grad()
+def rebuild_non_persistent_buffers(model: torch.nn.Module, device: torch.device | str) -> None:
+    for name, module in model.named_modules():
+        if not module._non_persistent_buffers_set:
+            continue
+        if not (type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config")):
+            raise AssertionError(f"don't know how to rebuild non-persistent buffers of {name} ({type(module).__name__})")
+        with torch.device(device):
+            fresh = type(module)(config=module.config)
+        for buffer_name in module._non_persistent_buffers_set:
+            getattr(module, buffer_name).copy_(getattr(fresh, buffer_name))
+
+
+def resolve_checkpoint_folder(name_or_path: str | os.PathLike, **hub: Any) -> Path:
+    """A local folder as is; a Hub repo id downloaded (safetensors and JSON only) into the cache."""
+    path = Path(name_or_path).expanduser()
+    subfolder = hub.pop("subfolder", "") or ""
+    if path.is_dir():
+        return path / subfolder if subfolder else path
+    text = str(name_or_path)
+    if path.is_absolute() or text.startswith((".", "~")) or text.count("/") > 1 or path.exists():
+        raise FileNotFoundError(f"checkpoint folder {text!r} does not exist")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
+    if subfolder:
+        patterns = [f"{subfolder}/{p}" for p in patterns]
+    hub.pop("proxies", None)
+    folder = Path(snapshot_download(repo_id=text, allow_patterns=patterns, **hub))
+    return folder / subfolder if subfolder else folder
+
+
+def _load_config(folder: Path, *, trust_remote_code: bool | None, overrides: dict[str, Any]) -> PretrainedConfig:
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {str(folder)!r}")
+    try:
+        config, unused = AutoConfig.from_pretrained(
+            folder, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **overrides
+        )
+    except (ValueError, KeyError) as error:
+        raise ValueError(f"neither moetune nor Transformers can build the config in {str(folder)!r}: {error}") from error
+    if unused:
+        raise TypeError(f"unexpected keyword arguments (neither loading options nor config fields): {sorted(unused)}")
+    overrides.clear()
+    return config
+
+
+def resolve_dtype(dtype: Any, config: PretrainedConfig, tensors: dict) -> torch.dtype:
+    """Transformers v5 semantics: None / 'auto' -> the config's dtype, else the checkpoint's."""
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None)
+        if dtype is None:
+            float_dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+            dtype = next((float_dtypes[t.dtype] for t in tensors.values() if t.dtype in float_dtypes), None)
+        dtype = dtype or torch.get_default_dtype()
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype, None)
+        if not isinstance(resolved, torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'bfloat16', 'float32' or 'auto')")
+        dtype = resolved
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype, a string naming one, or 'auto'; got {dtype!r}")
+    return dtype
+
+
+def resolve_device(device_map: Any, *, distributed: bool) -> torch.device:
+    """One device: moetune places an unsharded model on a single device (like ``device_map='cuda:0'``)."""
+    if distributed:
+        if device_map not in (None, "auto"):
+            raise ValueError("device_map cannot be combined with ep_size / device_mesh: each rank uses its own device")
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    if device_map is None:
+        return torch.device("cpu")
+    if device_map == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device_map, dict):
+        devices = set(device_map.values())
+        if len(devices) != 1:
+            raise ValueError(
+                f"device_map places modules on {len(devices)} devices; moetune places the model on one device "
+                "and shards over several with ep_size / device_mesh"
+            )
+        device_map = devices.pop()
+    if isinstance(device_map, int):
+        return torch.device("cuda", device_map)
+    return torch.device(device_map)
+
+
+def _generation_config(folder: Path, model, explicit: GenerationConfig | None) -> GenerationConfig:
+    if explicit is not None:
+        return explicit
+    if (folder / "generation_config.json").is_file():
+        return GenerationConfig.from_pretrained(folder)
+    return GenerationConfig.from_model_config(model.config)
+
+
+def _check_fallback_options(config: PretrainedConfig, options: MoetuneOptions) -> None:
+    if options.distributed:
+        raise ValueError(
+            f"ep_size / device_mesh need an architecture moetune implements; {getattr(config, 'model_type', '?')!r} "
+            "falls back to Transformers' class (shard it with FSDP2 yourself)"
+        )
+    if options.balanced_gate or options.experts_backend != "auto":
+        raise ValueError(
+            f"balanced_gate / experts_backend apply to moetune's MoE models, not {getattr(config, 'model_type', '?')!r}"
+        )

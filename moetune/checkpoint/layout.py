@@ -1,0 +1,96 @@
+"""Checkpoint layouts: how Hub tensor names map onto moetune's (Transformers v5's) parameters.
+
+Hub checkpoints store experts one by one (``mlp.experts.3.gate_proj.weight`` [I, H]); Transformers
+v5 and moetune hold them fused (``mlp.experts.gate_up_proj`` [E, 2I, H]). A ``Region`` says which
+block of a fused parameter one Hub tensor fills, so loading can copy only the blocks a rank owns
+(expert parallelism, FSDP shards) straight from the memory-mapped file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Region:
+    """The block ``[offset, offset + shape)`` of parameter ``param`` that one checkpoint tensor fills."""
+
+    param: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FusedExpertParam:
+    """A 3-D expert parameter ``<prefix>.<name>`` [E, rows, cols] stored on the Hub per expert as
+    ``<prefix>.<e>.<part>`` [rows_part, cols], parts stacked along the rows in the given order."""
+
+    name: str
+    parts: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """A model family's checkpoint layout: which parameters are fused expert tensors, and which
+    checkpoint keys to ignore (e.g. stale rotary buffers)."""
+
+    fused_experts: tuple[FusedExpertParam, ...] = ()
+    experts_module: str = "mlp.experts"
+    ignored_keys: tuple[str, ...] = (r".*rotary_emb\.inv_freq$",)
+
+    def _per_expert_pattern(self) -> re.Pattern[str]:
+        parts = "|".join(re.escape(p) for f in self.fused_experts for p in f.parts)
+        return re.compile(rf"^(?P<prefix>.*\.{re.escape(self.experts_module)})\.(?P<expert>\d+)\.(?P<part>{parts})$")
+
+    def is_ignored(self, key: str) -> bool:
+        return any(re.match(p, key) for p in self.ignored_keys)
+
+    def region(self, key: str, source_shape: tuple[int, ...], param_shapes: dict[str, tuple[int, ...]]) -> Region | None:
+        """Where checkpoint tensor ``key`` goes, or None if no parameter takes it."""
+        if key in param_shapes:
+            return Region(key, (0,) * len(source_shape), tuple(source_shape))
+        if not self.fused_experts:
+            return None
+        match = self._per_expert_pattern().match(key)
+        if match is None:
+            return None
+        expert, part = int(match["expert"]), match["part"]
+        for fused in self.fused_experts:
+            if part not in fused.parts:
+                continue
+            param = f"{match['prefix']}.{fused.name}"
+            if param not in param_shapes or len(source_shape) != 2:
+                return None
+            row_offset = fused.parts.index(part) * source_shape[0]
+            return Region(param, (expert, row_offset, 0), (1, *source_shape))
+        return None
+
+    def per_expert_tensors(self, name: str, tensor):
+        """Split fused parameter ``name`` into Hub per-expert tensors; other names pass through."""
+        for fused in self.fused_experts:
+            suffix = f".{self.experts_module}.{fused.name}"
+            if name.endswith(suffix):
+                prefix = name[: -len(fused.name) - 1]
+                for expert in range(tensor.shape[0]):
+                    for part, block in zip(fused.parts, tensor[expert].chunk(len(fused.parts), dim=0)):
+                        yield f"{prefix}.{expert}.{part}", block.contiguous()
+                return
+        yield name, tensor
+
+    def hub_keys_for(self, name: str, shape: tuple[int, ...]) -> list[str]:
+        """The per-expert Hub keys that together fill fused parameter ``name`` (for error messages)."""
+        for fused in self.fused_experts:
+            suffix = f".{self.experts_module}.{fused.name}"
+            if name.endswith(suffix):
+                prefix = name[: -len(fused.name) - 1]
+                return [f"{prefix}.{e}.{part}" for e in range(shape[0]) for part in fused.parts]
+        return [name]
+
+
+SWIGLU_EXPERTS = CheckpointLayout(
+    fused_experts=(
+        FusedExpertParam("gate_up_proj", ("gate_proj.weight", "up_proj.weight")),
+        FusedExpertParam("down_proj", ("down_proj.weight",)),
+    )
+)

@@ -1,0 +1,136 @@
+"""Stream a safetensors checkpoint into a model whose parameters may be sharded.
+
+1. ``plan_checkpoint_load`` maps every checkpoint tensor to a block of a parameter using only the
+   files' headers and the model's shapes (a model on the meta device is enough), and raises a
+   ``ValueError`` naming the tensors that are missing, unexpected or mis-shaped, before anything
+   is allocated.
+2. ``load_checkpoint`` copies each block into the part of the parameter this process holds:
+   plain tensors hold everything; DTensors (FSDP2 shards, expert-parallel shards) hold a
+   sub-block, and only that sub-block is read from the memory-mapped file. Files are visited one
+   at a time, so host memory holds at most one tensor beyond the model.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from math import prod
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from moetune.checkpoint.files import TensorInfo
+from moetune.checkpoint.layout import CheckpointLayout, Region
+
+
+@dataclass(frozen=True)
+class LoadItem:
+    key: str
+    info: TensorInfo
+    region: Region
+
+
+def model_tensor_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Global shapes of the parameters and persistent buffers the checkpoint must fill (tied
+    parameters appear once, under their first name)."""
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    persistent = {
+        f"{mod_name}.{buf_name}" if mod_name else buf_name
+        for mod_name, module in model.named_modules()
+        for buf_name, _ in module.named_buffers(recurse=False)
+        if buf_name not in module._non_persistent_buffers_set
+    }
+    shapes.update({name: tuple(b.shape) for name, b in model.named_buffers() if name in persistent})
+    return shapes
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    unique = {name for name, _ in model.named_parameters()}
+    return {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
+
+
+def plan_checkpoint_load(
+    model: nn.Module, tensors: dict[str, TensorInfo], layout: CheckpointLayout
+) -> list[LoadItem]:
+    shapes = model_tensor_shapes(model)
+    tied = _tied_names(model)
+    items: list[LoadItem] = []
+    unexpected, misshaped = [], []
+    covered: dict[str, int] = defaultdict(int)
+    for key, info in tensors.items():
+        if layout.is_ignored(key) or key in tied:
+            continue
+        region = layout.region(key, info.shape, shapes)
+        if region is None:
+            unexpected.append(key)
+            continue
+        target = shapes[region.param]
+        fits = len(region.shape) == len(target) and all(
+            o + s <= t for o, s, t in zip(region.offset, region.shape, target)
+        )
+        if not fits:
+            misshaped.append(f"{key} {list(info.shape)} (model expects {region.param} {list(target)})")
+            continue
+        covered[region.param] += prod(region.shape)
+        items.append(LoadItem(key, info, region))
+    missing = []
+    for name, shape in shapes.items():
+        if covered[name] != prod(shape):
+            present = set(tensors)
+            missing += [k for k in layout.hub_keys_for(name, shape) if k not in present] or [name]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_listing(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors ({len(misshaped)}): {_listing(misshaped)}")
+    if problems:
+        folder = next(iter(tensors.values())).file.parent if tensors else "?"
+        raise ValueError(f"checkpoint {str(folder)!r} does not match {type(model).__name__}: " + "; ".join(problems))
+    return items
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(sorted(names)[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The locally held part of a (possibly DTensor) parameter and its offset in the global tensor."""
+    if hasattr(tensor, "to_local") and hasattr(tensor, "placements"):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tensor.to_local(), tuple(offset)
+    return tensor, (0,) * tensor.dim()
+
+
+@torch.no_grad()
+def load_checkpoint(model: nn.Module, items: list[LoadItem]) -> None:
+    targets = dict(model.named_parameters())
+    targets.update(dict(model.named_buffers()))
+    by_file: dict[str, list[LoadItem]] = defaultdict(list)
+    for item in items:
+        by_file[str(item.info.file)].append(item)
+    for path, file_items in by_file.items():
+        with safe_open(path, framework="pt") as handle:
+            for item in file_items:
+                local, local_offset = local_block(targets[item.region.param])
+                _copy_block(handle, item, local, local_offset)
+
+
+def _copy_block(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple[int, ...]) -> None:
+    region = item.region
+    dest_slices, src_slices = [], []
+    for start, size, l_start, l_size in zip(region.offset, region.shape, local_offset, local.shape):
+        lo, hi = max(start, l_start), min(start + size, l_start + l_size)
+        if lo >= hi:
+            return  # this process holds none of the block
+        dest_slices.append(slice(lo - l_start, hi - l_start))
+        src_slices.append(slice(lo - start, hi - start))
+    # Per-expert tensors lack the leading expert dim of their region: drop those (size-1) slices.
+    extra_dims = len(region.shape) - len(item.info.shape)
+    block = handle.get_slice(item.key)[tuple(src_slices[extra_dims:])]
+    local[tuple(dest_slices)].copy_(block.reshape(local[tuple(dest_slices)].shape))

@@ -1,0 +1,218 @@
+"""Fused RMSNorm: one kernel forward, one kernel backward (dx and per-program dweight partials).
+
+Semantics are exactly Transformers' ``Qwen3MoeRMSNorm`` (T5 style):
+``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)``,
+so the normalised activations are rounded to ``x.dtype`` before the weight multiplies them and
+the output dtype is ``promote_types(x.dtype, weight.dtype)``.
+
+Shape legend: R = rows (every leading dim flattened), C = normalised (last) dim.
+The kernels work on any tensor whose last dim is contiguous: ``[T, H]`` hidden states as well as
+q/k norms over ``head_dim`` on ``[B, S, heads, D]`` views.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetune.kernels._triton_utils import HAS_TRITON, Impl, next_pow2, num_sms, tl, triton, use_triton, warps_for
+
+# One row must fit in a program's registers; wider rows take the reference.
+MAX_TRITON_COLS = 32768
+_TILE = 2048  # elements per program: several short rows (q/k norm) or one long row (hidden)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Plain PyTorch RMSNorm, the Transformers formula (float64 stays float64 for gradcheck)."""
+    compute_dtype = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute_dtype)
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rms_norm_fwd_kernel(
+        x_ptr, w_ptr, y_ptr, rstd_ptr,
+        num_rows, num_cols, stride_x, stride_y, eps,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        row_mask = rows < num_rows
+        col_mask = cols < num_cols
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)  # rows * stride can pass 2**31 on long sequences
+
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / num_cols + eps)
+        # Round to x's dtype before the weight multiplies, as Transformers does.
+        x_hat = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = w[None, :] * x_hat
+        tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+    @triton.jit
+    def _rms_norm_bwd_kernel(
+        dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
+        num_rows, num_cols, stride_dy, stride_x, stride_dx, row_step,
+        COMPUTE_DW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # Persistent grid of P programs: program pid takes row tiles pid, pid + P, ... (row_step =
+        # P * BLOCK_M rows) and keeps its share of dweight in fp32 registers; the host sums the P
+        # partial rows (deterministic, no atomics). The loop bounds are plain scalars because the
+        # interpreter cannot take program_id in range().
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_N)
+        col_mask = cols < num_cols
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for row_start in range(0, num_rows, row_step):
+            rows = row_start + pid * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_mask = rows < num_rows
+            mask = row_mask[:, None] & col_mask[None, :]
+            rows64 = rows.to(tl.int64)
+            x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_ptr + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+            x_hat = x * rstd[:, None]
+            g = dy * w[None, :]
+            # d/dx of x * rstd(x): rstd * (g - x_hat * mean(g * x_hat))
+            c = tl.sum(g * x_hat, axis=1) / num_cols
+            dx = (g - x_hat * c[:, None]) * rstd[:, None]
+            tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
+            if COMPUTE_DW:
+                # The forward multiplied the weight by x_hat rounded to x's dtype.
+                x_hat_rounded = x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+                dw_acc += tl.sum(dy * x_hat_rounded, axis=0)
+        if COMPUTE_DW:
+            tl.store(dw_partial_ptr + pid * num_cols + cols, dw_acc, mask=col_mask)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., C] -> [R, C] with a unit column stride (a view whenever possible)."""
+    t2d = t.reshape(-1, t.shape[-1])
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+def _launch_sizes(num_cols: int) -> tuple[int, int, int]:
+    block_n = next_pow2(num_cols)
+    block_m = max(1, _TILE // block_n)
+    return block_m, block_n, warps_for(block_m * block_n)
+
+
+def _fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    x2d = _as_rows(x)
+    weight = weight.contiguous()
+    num_rows, num_cols = x2d.shape
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
+    if num_rows == 0:
+        return y, rstd
+    y2d = y.view(num_rows, num_cols)
+    block_m, block_n, num_warps = _launch_sizes(num_cols)
+    grid = (triton.cdiv(num_rows, block_m),)
+    _rms_norm_fwd_kernel[grid](
+        x2d, weight, y2d, rstd, num_rows, num_cols, x2d.stride(0), y2d.stride(0), eps,
+        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    return y, rstd
+
+
+def _bwd_triton(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *, compute_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    x2d = _as_rows(x)
+    dy2d = _as_rows(dy)
+    weight = weight.contiguous()
+    num_rows, num_cols = x2d.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return dx, torch.zeros_like(weight) if compute_dw else None
+    dx2d = dx.view(num_rows, num_cols)
+    block_m, block_n, num_warps = _launch_sizes(num_cols)
+    num_programs = min(triton.cdiv(num_rows, block_m), 2 * num_sms(x.device))
+    dw_partial = torch.empty((num_programs, num_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
+    _rms_norm_bwd_kernel[(num_programs,)](
+        dy2d, x2d, weight, rstd, dx2d, dw_partial,
+        num_rows, num_cols, dy2d.stride(0), x2d.stride(0), dx2d.stride(0), num_programs * block_m,
+        COMPUTE_DW=compute_dw, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+    )  # fmt: skip
+    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
+    return dx, dw
+
+
+def _fwd_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' math in torch ops (lets CPU tests gradcheck the hand-written backward)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+    y = weight * (xf * rstd[..., None]).to(x.dtype)
+    return y, rstd.reshape(-1)
+
+
+def _bwd_torch(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *, compute_dw: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    compute_dtype = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(compute_dtype)
+    rstd = rstd.view(*x.shape[:-1], 1).to(compute_dtype)
+    x_hat = xf * rstd
+    g = dy.to(compute_dtype) * weight.to(compute_dtype)
+    dx = (g - x_hat * (g * x_hat).mean(-1, keepdim=True)) * rstd
+    dw = None
+    if compute_dw:
+        x_hat_rounded = x_hat.to(x.dtype).to(compute_dtype)
+        dw = (dy.to(compute_dtype) * x_hat_rounded).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    return dx.to(x.dtype), dw
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """Autograd wrapper; saves only ``x`` and the fp32 per-row ``rstd`` for the backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
+        fwd = _fwd_triton if backend == "triton" else _fwd_torch
+        y, rstd = fwd(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.backend = backend
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        bwd = _bwd_triton if ctx.backend == "triton" else _bwd_torch
+        dx, dw = bwd(dy, x, weight, rstd, compute_dw=ctx.needs_input_grad[1])
+        return dx, dw, None, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, impl: Impl = "auto") -> torch.Tensor:
+    """RMSNorm over the last dim of ``x`` (any leading shape), Transformers' Qwen3 semantics.
+
+    ``impl="auto"`` runs the Triton kernels on CUDA tensors when Triton is installed and the
+    reference otherwise; ``"torch"`` / ``"triton"`` force one of them.
+    """
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
+    if use_triton(impl, x, weight):
+        if x.shape[-1] <= MAX_TRITON_COLS:
+            return RMSNormFunction.apply(x, weight, eps, "triton")
+        if impl == "triton":
+            raise ValueError(f"the Triton RMSNorm handles rows up to {MAX_TRITON_COLS}, got {x.shape[-1]}")
+    return rms_norm_reference(x, weight, eps)
+
+
+class RMSNorm(nn.Module):
+    """Drop-in for ``Qwen3MoeRMSNorm`` (same parameter name, init and repr) using the fused kernel."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps  # Transformers' attribute name, kept for code that reads it
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

@@ -1,0 +1,114 @@
+"""apply_lora / merge_lora / lora_state_dict: adapters on a plain model, no wrapper classes.
+
+After `apply_lora` the model is the same object with the same module paths and base parameter
+names; the adapters are extra parameters whose names start with `lora_` and are the only ones
+with `requires_grad=True`, so any optimizer, `Trainer` or FSDP wrapping works unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from moetune.lora.experts import add_expert_adapters, is_lora_experts, merge_expert_adapters
+from moetune.lora.linear import add_linear_adapter, is_lora_linear, merge_linear_adapter
+from moetune.lora.settings import LoraSettings
+
+# 3-D expert weights in Transformers v5 naming (gated experts, ungated experts such as Nemotron-H's).
+EXPERT_WEIGHT_NAMES = ("gate_up_proj", "up_proj", "down_proj")
+# Set on the model by apply_lora; read by export_peft_adapter.
+SETTINGS_ATTR = "moetune_lora_settings"
+
+
+def _matches(name: str, suffix: str) -> bool:
+    return name == suffix or name.endswith("." + suffix)
+
+
+def find_linear_targets(model: nn.Module, target_modules: list[str]) -> dict[str, nn.Module]:
+    """Modules whose dotted name ends with one of `target_modules` (PEFT's suffix rule)."""
+    found = {
+        name: module
+        for name, module in model.named_modules()
+        if name and any(_matches(name, suffix) for suffix in target_modules)
+    }
+    for suffix in target_modules:
+        if not any(_matches(name, suffix) for name in found):
+            raise ValueError(f"LoraSettings.target_modules: no module name ends with {suffix!r}")
+    for name, module in found.items():
+        if not isinstance(module, nn.Linear):
+            raise TypeError(
+                f"LoraSettings.target_modules: {name} is a {type(module).__name__}, not nn.Linear "
+                "(grouped experts are adapted with target_experts=True)"
+            )
+    return found
+
+
+def find_expert_targets(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Modules holding 3-D expert weights -> those weights' names, in registration order.
+
+    Registration order matters: PEFT nests one wrapper per targeted parameter in this order, and
+    the exported key names follow the nesting (see peft_export.py).
+    """
+    found: dict[str, tuple[str, ...]] = {}
+    for name, module in model.named_modules():
+        names = tuple(
+            pname
+            for pname, param in module.named_parameters(recurse=False)
+            if pname in EXPERT_WEIGHT_NAMES and param.dim() == 3
+        )
+        if names:
+            found[name] = names
+    return found
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Freeze every base parameter and add adapters; returns `model` (modified in place)."""
+    if getattr(model, SETTINGS_ATTR, None) is not None:
+        raise ValueError("apply_lora: the model already has LoRA adapters (merge_lora first)")
+    linear_targets = find_linear_targets(model, settings.target_modules) if settings.target_modules else {}
+    expert_targets = find_expert_targets(model) if settings.target_experts else {}
+    if settings.target_experts and not expert_targets:
+        raise ValueError("LoraSettings.target_experts is True but the model has no grouped expert weights")
+    for param in model.parameters():
+        param.requires_grad_(False)
+    common = {"rank": settings.rank, "scaling": settings.scaling, "dtype": settings.torch_dtype}
+    for module in linear_targets.values():
+        add_linear_adapter(module, dropout=settings.dropout, **common)
+    for name, param_names in expert_targets.items():
+        add_expert_adapters(model.get_submodule(name), param_names, **common)
+    setattr(model, SETTINGS_ATTR, settings)
+    return model
+
+
+def is_lora_param_name(name: str) -> bool:
+    return name.rpartition(".")[2].startswith("lora_")
+
+
+def lora_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:
+    return ((name, p) for name, p in model.named_parameters() if is_lora_param_name(name))
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters only, under moetune's names (`...q_proj.lora_A`, `...experts.lora_B_down_proj`)."""
+    return {name: p.detach() for name, p in lora_parameters(model)}
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and remove it; all parameters become trainable again.
+
+    The result is a plain model: `model.save_pretrained(dir)` writes a full checkpoint that plain
+    Transformers loads.
+    """
+    if getattr(model, SETTINGS_ATTR, None) is None:
+        raise ValueError("merge_lora: the model has no LoRA adapters (apply_lora first)")
+    for module in list(model.modules()):
+        if is_lora_linear(module):
+            merge_linear_adapter(module)
+        elif is_lora_experts(module):
+            merge_expert_adapters(module)
+    for param in model.parameters():
+        param.requires_grad_(True)
+    delattr(model, SETTINGS_ATTR)
+    return model

@@ -1,0 +1,122 @@
+"""LoRA on grouped experts: one adapter per expert, folded into the 3-D weight on every read.
+
+Shape legend: E experts held by the module, O output features, I input features, R rank.
+
+For a weight W [E, O, I] (Transformers v5's layout: `gate_up_proj` [E, 2*inter, H], `down_proj`
+[E, H, inter]) the adapters are A [E, R, I] and B [E, O, R], and the experts' forward sees
+W_e + s * B_e @ A_e. (Layouts stored transposed, [E, I, O], flagged `is_transposed` by
+Transformers, get the transposed delta.) The adapters are parameters of the experts module
+itself (`experts.lora_A_gate_up_proj`), so expert parallelism, which shards every parameter of
+that module along dim 0, gives each rank the adapters of its own experts.
+
+How the delta gets in without touching the experts' forward: the module's class is swapped for a
+subclass with a property per adapted weight, the mechanism of `torch.nn.utils.parametrize`, but
+the Parameter stays in `_parameters` under its own name, so `state_dict()` keys, FSDP2 (which
+swaps `_parameters` entries) and `named_parameters()` are those of the plain model. Cost: the
+adapted weight is materialised once per forward (and kept for backward), like PEFT's ParamWrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+
+_SCALING = "lora_scaling"
+_TARGETS = "_moetune_lora_targets"
+
+
+def lora_a_name(param_name: str) -> str:
+    return f"lora_A_{param_name}"
+
+
+def lora_b_name(param_name: str) -> str:
+    return f"lora_B_{param_name}"
+
+
+def is_lora_experts(module: nn.Module) -> bool:
+    return hasattr(module, _TARGETS)
+
+
+def adapted_params(module: nn.Module) -> tuple[str, ...]:
+    """Names of the adapted weights, in the module's parameter registration order."""
+    return getattr(module, _TARGETS)
+
+
+def is_transposed(module: nn.Module) -> bool:
+    # Transformers marks experts stored [E, in, out] (GPT-OSS) with `is_transposed`; PEFT reads the same flag.
+    return bool(getattr(module, "is_transposed", False))
+
+
+def add_expert_adapters(
+    module: nn.Module, param_names: tuple[str, ...], *, rank: int, scaling: float, dtype: torch.dtype
+) -> None:
+    """Give every expert of `module` an adapter on each of `param_names` (3-D weights)."""
+    if is_lora_experts(module):
+        raise ValueError(f"{type(module).__name__} already has LoRA adapters")
+    transposed = is_transposed(module)
+    for name in param_names:
+        weight = module._parameters[name]
+        if weight is None or weight.dim() != 3:
+            raise TypeError(f"expert weight {name!r} must be a 3-D parameter [E, out, in]")
+        num_experts = weight.shape[0]
+        out_features, in_features = (weight.shape[2], weight.shape[1]) if transposed else weight.shape[1:]
+        lora_A_ERI = torch.empty(num_experts, rank, in_features, device=weight.device, dtype=dtype)
+        # kaiming-uniform per expert (fan_in = in_features), as PEFT's Linear(in, R*E) init does.
+        nn.init.kaiming_uniform_(lora_A_ERI.view(num_experts * rank, in_features), a=math.sqrt(5))
+        lora_B_EOR = torch.zeros(num_experts, out_features, rank, device=weight.device, dtype=dtype)
+        module.register_parameter(lora_a_name(name), nn.Parameter(lora_A_ERI))
+        module.register_parameter(lora_b_name(name), nn.Parameter(lora_B_EOR))
+    setattr(module, _SCALING, scaling)
+    setattr(module, _TARGETS, tuple(param_names))
+    module.__class__ = _lora_class(type(module), tuple(param_names))
+
+
+def expert_delta(module: nn.Module, param_name: str) -> torch.Tensor:
+    """s * B_e @ A_e for every expert, float32, in the stored layout of the weight."""
+    lora_A_ERI = module._parameters[lora_a_name(param_name)].detach().float()
+    lora_B_EOR = module._parameters[lora_b_name(param_name)].detach().float()
+    delta_EOI = getattr(module, _SCALING) * torch.bmm(lora_B_EOR, lora_A_ERI)
+    return delta_EOI.transpose(1, 2) if is_transposed(module) else delta_EOI
+
+
+def merge_expert_adapters(module: nn.Module) -> None:
+    """Fold every expert's delta into its weight (float32, then cast back) and remove the adapters."""
+    with torch.no_grad():
+        for name in adapted_params(module):
+            weight = module._parameters[name]
+            weight.copy_((weight.float() + expert_delta(module, name).to(weight.device)).to(weight.dtype))
+    remove_expert_adapters(module)
+
+
+def remove_expert_adapters(module: nn.Module) -> None:
+    for name in adapted_params(module):
+        del module._parameters[lora_a_name(name)]
+        del module._parameters[lora_b_name(name)]
+    module.__class__ = module.__class__.__bases__[0]
+    delattr(module, _TARGETS)
+    delattr(module, _SCALING)
+
+
+def _adapted_weight(module: nn.Module, name: str) -> torch.Tensor:
+    weight = module._parameters[name]
+    lora_A_ERI = module._parameters[lora_a_name(name)].to(weight.dtype)
+    lora_B_EOR = module._parameters[lora_b_name(name)].to(weight.dtype)
+    scaling = getattr(module, _SCALING)
+    if is_transposed(module):
+        # [E, I, O] storage: W_e + s * A_e^T @ B_e^T.
+        return torch.baddbmm(weight, lora_A_ERI.transpose(1, 2), lora_B_EOR.transpose(1, 2), alpha=scaling)
+    # One fused W + s * B @ A (no separate delta tensor the size of all experts).
+    return torch.baddbmm(weight, lora_B_EOR, lora_A_ERI, alpha=scaling)
+
+
+# Cached so every adapted module of one class shares one subclass (one torch.compile guard, not one per layer).
+@functools.cache
+def _lora_class(base: type[nn.Module], param_names: tuple[str, ...]) -> type[nn.Module]:
+    namespace = {
+        name: property(functools.partial(_adapted_weight, name=name), doc=f"{name} with its LoRA delta")
+        for name in param_names
+    }
+    return type(f"Lora{base.__name__}", (base,), namespace)

@@ -1,0 +1,76 @@
+"""LoRA on an `nn.Linear`: y = x W^T + b + s * (dropout(x) A^T) B^T.
+
+The adapter lives on the Linear itself (`q_proj.lora_A` [r, in], `q_proj.lora_B` [out, r]) and is
+added by a forward hook, so the base parameter keeps its name (`q_proj.weight`) and its module
+path: state dicts, FSDP wrapping and user code that reads `q_proj.weight` see the plain model.
+Computing the low-rank path on activations (not W + s B A) avoids the full-size weight gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Attribute names set on an adapted Linear; `lora_` is the prefix that marks adapter parameters.
+LORA_A = "lora_A"
+LORA_B = "lora_B"
+_SCALING = "lora_scaling"
+_DROPOUT = "lora_dropout"
+_HOOK = "_moetune_lora_hook"
+
+
+def is_lora_linear(module: nn.Module) -> bool:
+    return hasattr(module, _HOOK)
+
+
+def add_linear_adapter(
+    module: nn.Linear, *, rank: int, scaling: float, dropout: float, dtype: torch.dtype
+) -> None:
+    """Attach a rank-`rank` adapter to `module` (B starts at zero, so the output is unchanged)."""
+    if is_lora_linear(module):
+        raise ValueError(f"{module!r} already has a LoRA adapter")
+    out_features, in_features = module.weight.shape
+    device = module.weight.device
+    lora_A_RI = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
+    # PEFT's default init (nn.Linear's): kaiming-uniform A, zero B.
+    nn.init.kaiming_uniform_(lora_A_RI, a=math.sqrt(5))
+    lora_B_OR = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=dtype))
+    module.register_parameter(LORA_A, lora_A_RI)
+    module.register_parameter(LORA_B, lora_B_OR)
+    setattr(module, _SCALING, scaling)
+    # Identity when dropout is 0 so the hook has one code path and no RNG use; a new module starts
+    # in training mode, so follow the Linear's mode (apply_lora may be called after model.eval()).
+    setattr(module, _DROPOUT, (nn.Dropout(dropout) if dropout > 0 else nn.Identity()).train(module.training))
+    setattr(module, _HOOK, module.register_forward_hook(_lora_linear_hook))
+
+
+def _lora_linear_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    x = args[0]
+    lora_A, lora_B = getattr(module, LORA_A), getattr(module, LORA_B)
+    h = F.linear(getattr(module, _DROPOUT)(x).to(lora_A.dtype), lora_A)
+    return output + (F.linear(h, lora_B) * getattr(module, _SCALING)).to(output.dtype)
+
+
+def linear_delta(module: nn.Module) -> torch.Tensor:
+    """s * B @ A in float32, shaped like `module.weight` [out, in]."""
+    lora_A, lora_B = getattr(module, LORA_A), getattr(module, LORA_B)
+    return getattr(module, _SCALING) * (lora_B.detach().float() @ lora_A.detach().float())
+
+
+def merge_linear_adapter(module: nn.Module) -> None:
+    """Fold s * B @ A into `weight` (in float32, then cast back) and remove the adapter."""
+    with torch.no_grad():
+        weight = module.weight
+        weight.copy_((weight.float() + linear_delta(module).to(weight.device)).to(weight.dtype))
+    remove_linear_adapter(module)
+
+
+def remove_linear_adapter(module: nn.Module) -> None:
+    getattr(module, _HOOK).remove()
+    for name in (_HOOK, _SCALING):
+        delattr(module, name)
+    for name in (LORA_A, LORA_B, _DROPOUT):
+        delattr(module, name)

@@ -1,0 +1,151 @@
+"""What every moetune causal-LM class adds to its Transformers parent.
+
+- The loss: the LM head and cross-entropy fused chunk-wise (``moetune.layers.linear_cross_entropy``),
+  so training never materialises [tokens, vocab] logits. ``out.logits`` is then None; pass
+  ``return_logits=True`` (or set ``model.return_logits_in_training = True``) to get them, which
+  also switches to Transformers' own loss path.
+- The aux loss: router logits are captured from moetune's routers and fed to the same
+  load-balancing loss as Transformers'.
+- Weight init for moetune's MoE modules, so ``from_config`` gives Transformers' init scheme.
+
+The inner base model's forward (masks, KV cache, RoPE, decoder loop) stays Transformers' own,
+which keeps ``generate`` and every cache type working across Transformers versions.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout, save_hf_checkpoint
+from moetune.layers import linear_cross_entropy, shift_labels_for_causal_lm
+from moetune.moe import GroupedExperts, SoftmaxTopKRouter, capture_router_logits, load_balancing_loss
+
+try:  # Transformers >= 5.0 records which tensors were initialised, so loading can skip them.
+    from transformers import initialization as hf_init
+except ImportError:  # pragma: no cover
+    hf_init = torch.nn.init
+
+# Transformers 5.24 renamed the cache field of model outputs from `past_key_values` to `cache`.
+_CACHE_FIELD = "cache" if "cache" in MoeCausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+ROUTER_TYPES: tuple[type[torch.nn.Module], ...] = (SoftmaxTopKRouter,)
+
+
+class MoetuneInitMixin:
+    """``_init_weights`` for moetune's MoE modules (same distributions as Transformers')."""
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, GroupedExperts):
+            hf_init.normal_(module.in_proj, mean=0.0, std=std)
+            hf_init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, ROUTER_TYPES):
+            hf_init.normal_(module.weight, mean=0.0, std=std)
+
+
+class MoetuneCausalLMMixin(MoetuneInitMixin):
+    """Forward with the fused LM-head loss and the aux loss, and a streaming, shard-aware
+    ``save_pretrained``; put it first among the bases."""
+
+    return_logits_in_training: bool = False
+    checkpoint_layout: CheckpointLayout = SWIGLU_EXPERTS
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        is_main_process: bool = True,
+        state_dict: dict | None = None,
+        push_to_hub: bool = False,
+        max_shard_size: int | str = "50GB",
+        save_original_format: bool = True,
+        **kwargs,
+    ) -> None:
+        """Like Transformers': per-expert Hub layout by default, fused with ``save_original_format=False``.
+
+        Under FSDP2 / expert parallelism every rank must call it (tensors are gathered one by one);
+        only ``is_main_process`` writes.
+        """
+        save_hf_checkpoint(
+            self,
+            save_directory,
+            layout=self.checkpoint_layout,
+            per_expert=save_original_format,
+            max_shard_size=max_shard_size,
+            is_main_process=is_main_process,
+            state_dict=state_dict,
+        )
+        if push_to_hub and is_main_process:
+            from huggingface_hub import HfApi
+
+            repo_id = kwargs.pop("repo_id", None) or Path(save_directory).name
+            api = HfApi(token=kwargs.pop("token", None))
+            api.create_repo(repo_id, private=kwargs.pop("private", None), exist_ok=True)
+            api.upload_folder(
+                repo_id=repo_id, folder_path=save_directory, commit_message=kwargs.pop("commit_message", None)
+            )
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        return_logits: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        if output_router_logits is None:
+            output_router_logits = bool(getattr(self.config, "output_router_logits", False))
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        if return_logits is None:
+            return_logits = labels is None or not self.training or self.return_logits_in_training
+
+        with capture_router_logits(self, ROUTER_TYPES) as router_logits:
+            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        hidden_BSH = outputs.last_hidden_state
+
+        logits = loss = None
+        if return_logits:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(hidden_BSH[:, keep, :])
+        if labels is not None or shift_labels is not None:
+            targets_BS = shift_labels if shift_labels is not None else shift_labels_for_causal_lm(labels)
+            if return_logits and logits.shape[1] == targets_BS.shape[1]:
+                loss = self.loss_function(
+                    logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
+                )
+            else:
+                loss = linear_cross_entropy(
+                    hidden_BSH.reshape(-1, hidden_BSH.shape[-1]),
+                    self.lm_head.weight,
+                    targets_BS.reshape(-1).to(hidden_BSH.device),
+                    num_items_in_batch=num_items_in_batch,
+                )
+
+        aux_loss = None
+        if output_router_logits and router_logits:
+            aux_loss = load_balancing_loss(
+                router_logits,
+                num_experts=self.config.num_experts,
+                top_k=self.config.num_experts_per_tok,
+                attention_mask=attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None,
+            )
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+
+        output = MoeCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=aux_loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+            router_logits=tuple(router_logits) if output_router_logits else None,
+            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD, None)},
+        )
+        return output if return_dict is not False else output.to_tuple()

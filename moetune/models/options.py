@@ -1,0 +1,21 @@
+"""moetune's run-time switches for a built model (kept out of the config so saved checkpoints stay
+plain Transformers checkpoints)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from moetune.moe import GroupedExperts, SoftmaxTopKRouter
+
+EXPERTS_BACKENDS = ("auto", "grouped_mm", "loop")
+
+
+def set_moe_options(model: nn.Module, *, balanced_gate: bool | None = None, experts_backend: str | None = None) -> None:
+    """Switch every MoE layer's router to the balanced benchmark gate and/or pick the experts kernel."""
+    if experts_backend is not None and experts_backend not in EXPERTS_BACKENDS:
+        raise ValueError(f"experts_backend must be one of {EXPERTS_BACKENDS}, got {experts_backend!r}")
+    for module in model.modules():
+        if balanced_gate is not None and isinstance(module, SoftmaxTopKRouter):
+            module.balanced = balanced_gate
+        if experts_backend is not None and isinstance(module, GroupedExperts):
+            module.backend = experts_backend

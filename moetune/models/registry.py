@@ -1,0 +1,26 @@
+"""Which architectures moetune implements itself; everything else uses Transformers' classes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig, PreTrainedModel
+
+from moetune.models.qwen3_moe.model import Qwen3MoeForCausalLM
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    model_type: str
+    causal_lm: type[PreTrainedModel]
+    is_moe: bool = True
+
+
+FAMILIES: dict[str, ModelFamily] = {
+    family.model_type: family for family in (ModelFamily("qwen3_moe", Qwen3MoeForCausalLM),)
+}
+
+
+def family_for(config: PretrainedConfig) -> ModelFamily | None:
+    """moetune's implementation of ``config``'s architecture, or None to fall back to Transformers."""
+    return FAMILIES.get(getattr(config, "model_type", None))

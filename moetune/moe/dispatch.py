@@ -1,0 +1,71 @@
+"""Token dispatchers: move each token to the experts that hold its routed copies, and back.
+
+A dispatcher turns (tokens, routing) into rows sorted by local expert plus the count per local
+expert, and turns the experts' outputs back into one weighted sum per token. The single-device
+dispatcher only permutes; the expert-parallel one (moetune.distributed) adds the all-to-all;
+a DeepEP-style fused backend is one more implementation of this interface.
+
+Shape legend: T tokens, H hidden, K experts per token, N = T*K routed rows, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from moetune.moe.routing import Routing
+
+
+class TokenDispatcher(Protocol):
+    def dispatch(self, x_TH: torch.Tensor, routing: Routing, *, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Return (rows sorted by local expert, tokens per local expert, state for combine)."""
+
+    def combine(self, y_NH: torch.Tensor, state: Any) -> torch.Tensor:
+        """Return the per-token weighted sum of the experts' outputs [T, H]."""
+
+
+def tokens_per_expert(experts_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Histogram of expert ids without a host sync (bincount sizes its output on the host)."""
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=experts_N.device)
+    return counts_E.scatter_add_(0, experts_N, torch.ones_like(experts_N))
+
+
+@dataclass
+class PermutationState:
+    order_N: torch.Tensor
+    """Routed slot (token * K + k) of each sorted row."""
+    weights_TK: torch.Tensor
+
+
+def permute(x_TH: torch.Tensor, routing: Routing, *, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, PermutationState]:
+    """Sort the T*K routed copies of the tokens by expert (stable, so equal experts keep token order)."""
+    top_k = routing.experts_TK.shape[1]
+    experts_N = routing.experts_TK.reshape(-1)
+    order_N = torch.argsort(experts_N, stable=True)
+    x_NH = x_TH.index_select(0, order_N // top_k)
+    return x_NH, tokens_per_expert(experts_N, num_experts), PermutationState(order_N, routing.weights_TK)
+
+
+def unpermute(y_NH: torch.Tensor, state: PermutationState) -> torch.Tensor:
+    """Weight each row, put it back in routed-slot order and sum the K copies of each token.
+
+    Scatter-then-sum instead of index_add: deterministic on CUDA (no atomics), and the sum over K
+    accumulates in fp32 inside torch's reduction.
+    """
+    num_tokens, top_k = state.weights_TK.shape
+    weights_N = state.weights_TK.reshape(-1).index_select(0, state.order_N)
+    weighted_NH = y_NH * weights_N.unsqueeze(-1).to(y_NH.dtype)
+    slots_NH = torch.empty_like(weighted_NH).index_copy_(0, state.order_N, weighted_NH)
+    return slots_NH.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+class LocalTokenDispatcher:
+    """Single device (or no expert parallelism): permutation only, no communication, no host sync."""
+
+    def dispatch(self, x_TH, routing, *, num_experts):
+        return permute(x_TH, routing, num_experts=num_experts)
+
+    def combine(self, y_NH, state):
+        return unpermute(y_NH, state)

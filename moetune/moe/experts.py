@@ -1,0 +1,117 @@
+"""Grouped experts: every expert's weights in one 3-D tensor, applied to tokens sorted by expert.
+
+The module knows nothing about communication: expert parallelism hands it the tokens of its
+local experts (already permuted) and the count per local expert.
+
+Shape legend: N routed rows (token-expert pairs) sorted by expert, H hidden, I expert width,
+E experts held by this module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetune.kernels import swiglu
+
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """torch's grouped GEMM: CUDA sm80+, bf16. (CPU has no autograd-safe kernel for fp32 weights.)"""
+    return (
+        _grouped_mm is not None
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    )
+
+
+def _activation(name: str):
+    if name == "silu":
+        return F.silu
+    if name == "relu2":
+        return lambda t: F.relu(t).square()
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"unsupported expert activation {name!r} (supported: silu, relu2, gelu)")
+
+
+class GroupedExperts(nn.Module):
+    """E experts; gated (SwiGLU-style, ``gate_up_proj`` [E, 2I, H]) or plain (``up_proj`` [E, I, H]).
+
+    Parameter names and layouts are Transformers v5's fused layout, so state dicts, PEFT targets
+    and user code that reads ``mlp.experts.gate_up_proj`` keep working.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        gated: bool = True,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        if backend not in ("auto", "grouped_mm", "loop"):
+            raise ValueError(f"experts backend must be 'auto', 'grouped_mm' or 'loop', got {backend!r}")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.gated = gated
+        self.backend = backend
+        self._act = _activation(activation)
+        in_width = 2 * intermediate_size if gated else intermediate_size
+        name = "gate_up_proj" if gated else "up_proj"
+        self.register_parameter(name, nn.Parameter(torch.empty(num_experts, in_width, hidden_size)))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    @property
+    def in_proj(self) -> torch.Tensor:
+        return self.gate_up_proj if self.gated else self.up_proj
+
+    def _activate(self, h_NX: torch.Tensor) -> torch.Tensor:
+        if self.gated and self.activation == "silu":
+            return swiglu(h_NX)
+        if self.gated:
+            gate, up = h_NX.chunk(2, dim=-1)
+            return self._act(gate) * up
+        return self._act(h_NX)
+
+    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        in_proj, down_proj = _local(self.in_proj), _local(self.down_proj)
+        use_grouped = self.backend == "grouped_mm" or (self.backend == "auto" and grouped_mm_supported(x_NH))
+        if use_grouped:
+            offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
+            h_NX = _grouped_mm(x_NH.to(in_proj.dtype), in_proj.transpose(-2, -1), offs=offsets_E)
+            return _grouped_mm(self._activate(h_NX), down_proj.transpose(-2, -1), offs=offsets_E)
+        return self._forward_loop(x_NH, tokens_per_expert_E, in_proj, down_proj)
+
+    def _forward_loop(self, x_NH, tokens_per_expert_E, in_proj, down_proj) -> torch.Tensor:
+        # One host sync for the split sizes; used on CPU and as the reference path.
+        counts = tokens_per_expert_E.tolist()
+        outputs = []
+        for expert, rows_NH in enumerate(torch.split(x_NH, counts)):
+            if rows_NH.shape[0] == 0:
+                continue
+            h = self._activate(F.linear(rows_NH, in_proj[expert]))
+            outputs.append(F.linear(h, down_proj[expert]))
+        if not outputs:
+            return x_NH.new_zeros(0, self.hidden_size) + 0 * (in_proj.sum() + down_proj.sum())
+        return torch.cat(outputs)
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, hidden={self.hidden_size}, width={self.intermediate_size}, "
+            f"activation={self.activation}, gated={self.gated}, backend={self.backend}"
+        )
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The local shard of an expert-parallel DTensor parameter (a plain tensor passes through)."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if to_local is not None else param

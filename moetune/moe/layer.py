@@ -1,0 +1,43 @@
+"""The MoE layer: router -> dispatch -> grouped experts -> combine (+ shared experts).
+
+Each stage is a small replaceable part: ``gate`` (a router module), ``experts`` (a grouped-experts
+module), ``dispatcher`` (a plain object, swapped by expert parallelism; it holds no parameters so
+state dicts are unchanged) and optional ``shared_experts``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetune.moe.dispatch import LocalTokenDispatcher, TokenDispatcher
+
+
+class MoEBlock(nn.Module):
+    """Sparse MoE block with Transformers' child names (``gate``, ``experts``, ``shared_experts``)."""
+
+    def __init__(
+        self,
+        *,
+        gate: nn.Module,
+        experts: nn.Module,
+        num_experts: int,
+        shared_experts: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+        if shared_experts is not None:
+            self.shared_experts = shared_experts
+        self.num_experts = num_experts
+        self.dispatcher: TokenDispatcher = LocalTokenDispatcher()
+
+    def forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
+        x_TH = hidden_BSH.reshape(-1, hidden_BSH.shape[-1])
+        routing = self.gate(x_TH)
+        x_NH, counts_E, state = self.dispatcher.dispatch(x_TH, routing, num_experts=self.num_experts)
+        y_NH = self.experts(x_NH, counts_E)
+        out_TH = self.dispatcher.combine(y_NH, state).to(hidden_BSH.dtype)
+        if getattr(self, "shared_experts", None) is not None:
+            out_TH = out_TH + self.shared_experts(x_TH)
+        return out_TH.view_as(hidden_BSH)

@@ -1,0 +1,29 @@
+"""moetune's own keyword arguments to ``from_pretrained`` / ``from_config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass
+class MoetuneOptions:
+    ep_size: int | None = None
+    """Expert-parallel size: experts are split over this many ranks (needs torch.distributed).
+    None or 1 with no ``device_mesh``: an unsharded model, exactly as Transformers returns."""
+    device_mesh: Any = None
+    """A user's ``torch.distributed.device_mesh.DeviceMesh`` (dimension names in moetune.distributed)."""
+    balanced_gate: bool = False
+    """Benchmark gate: assignment slot j of tokens x top_k goes to expert j mod E, weight 1/top_k."""
+    experts_backend: str = "auto"
+    """'auto' (grouped GEMM on CUDA bf16, per-expert loop elsewhere), 'grouped_mm' or 'loop'."""
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after each layer's forward (saves memory, regathers in backward)."""
+
+    @classmethod
+    def pop_from(cls, kwargs: dict[str, Any]) -> MoetuneOptions:
+        return cls(**{f.name: kwargs.pop(f.name) for f in fields(cls) if f.name in kwargs})
+
+    @property
+    def distributed(self) -> bool:
+        return self.device_mesh is not None or (self.ep_size is not None and self.ep_size > 1)

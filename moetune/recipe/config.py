@@ -1,0 +1,238 @@
+"""The fine-tuning job's schema: typed dataclasses, one docstring per field.
+
+YAML files and dotted CLI overrides (``--optim.lr 1e-5``) only set these fields; see
+``config_loading.py`` for how, and ``validate`` below for the cross-field checks.
+A relative path in a YAML file is relative to the directory where the command runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "default"
+"""The shipped default job's files: tiny Qwen3-MoE config, tokenizer, arithmetic dataset."""
+
+PRECISIONS = ("auto", "fp32", "bf16_autocast", "bf16")
+PARALLELISMS = ("fsdp", "ddp")
+ON_BAD_ROW = ("skip", "fail")
+LORA_TARGETS = ("attention", "experts")
+
+
+@dataclass
+class ModelConfig:
+    config_path: str = str(DEFAULT_ASSETS / "model")
+    """Directory (or config.json) of a model config; the model is built from it with random
+    weights. Used when ``pretrained_path`` is empty."""
+    pretrained_path: str = ""
+    """Directory of a Hugging Face checkpoint to fine-tune (weights are loaded from it). Takes
+    precedence over ``config_path``. Must be local: nothing is downloaded."""
+    tokenizer_path: str = str(DEFAULT_ASSETS / "tokenizer")
+    """Directory of a Transformers tokenizer with a chat template. Empty: use ``pretrained_path``."""
+    attn_implementation: str = ""
+    """Transformers attention backend ("sdpa", "eager", "flex_attention", "flash_attention_2");
+    empty keeps the model's default. Packed batches need one that honours per-document
+    position_ids: all of these do (see data README)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, ~30% slower)."""
+    router_aux_loss_coef: float | None = None
+    """Weight of the MoE load-balancing loss; None keeps the model config's value, 0 disables it."""
+
+
+@dataclass
+class DataConfig:
+    train_path: str = str(DEFAULT_ASSETS / "data" / "train.jsonl")
+    """Training data: a .jsonl/.json/.parquet file, a directory saved by ``datasets``
+    (``save_to_disk``), or a ``datasets`` name already in the local cache."""
+    test_path: str = str(DEFAULT_ASSETS / "data" / "test.jsonl")
+    """Held-out rows for exact-match accuracy (greedy generation of the last assistant turn).
+    Empty: no accuracy evaluation."""
+    split: str = "train"
+    """Split to read when ``train_path`` is a ``datasets`` dataset."""
+    messages_column: str = "messages"
+    """Column with chat messages (a list of {"role", "content"}). Used when present."""
+    prompt_column: str = "prompt"
+    """Column with the prompt, used (with ``answer_column``) when there is no messages column."""
+    answer_column: str = "answer"
+    """Column with the answer to train on, paired with ``prompt_column``."""
+    max_length: int = 256
+    """Tokens per packed row (or per sample without packing); longer samples are truncated
+    (and counted)."""
+    packing: bool = True
+    """Pack several samples into each row; positions and attention restart at each sample."""
+    val_fraction: float = 0.02
+    """Fraction of the training rows held out for the validation loss (0 disables it)."""
+    on_bad_row: str = "skip"
+    """What to do with a malformed row: "skip" (and count it) or "fail"."""
+    num_eval_samples: int = 200
+    """Rows of ``test_path`` used for the exact-match accuracy (0: all)."""
+    max_new_tokens: int = 8
+    """Generation length limit for the exact-match evaluation."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    """Peak learning rate (reached after warm-up, then cosine decay)."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of ``lr``."""
+    warmup_steps: int = 50
+    """Linear warm-up length in optimizer steps."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 disables clipping; the norm is still logged)."""
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 1000
+    """Number of optimizer steps."""
+    micro_batch_size: int = 8
+    """Rows per forward pass on each device."""
+    grad_accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    precision: str = "auto"
+    """"fp32", "bf16_autocast" (fp32 weights, bf16 compute), "bf16" (bf16 weights and optimizer
+    states), or "auto": bf16_autocast on GPU, fp32 on CPU."""
+    device: str = "auto"
+    """"cpu", "cuda", or "auto" (the local GPU when there is one)."""
+    seed: int = 1234
+    """Seed of weights init, data order and every random generator."""
+    num_threads: int = 0
+    """CPU threads for torch (0: all cores of this process's share)."""
+    val_every: int = 250
+    """Validation loss every this many steps (0: only at the end)."""
+    output_dir: str = "outputs/default"
+    """Where checkpoints, metrics, plots and the final Hugging Face export go."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0
+    """Save a resumable checkpoint every this many steps (0: only on Ctrl-C)."""
+    keep_last: int = 2
+    """Number of periodic checkpoints kept; older ones are deleted."""
+    resume: str = ""
+    """"auto" (the latest checkpoint in output_dir, if any), a checkpoint directory, or empty."""
+    export_final: bool = True
+    """Write the final model (and tokenizer) in the Hugging Face layout to output_dir/final."""
+
+
+@dataclass
+class MetricsConfig:
+    log_every: int = 10
+    """Write a metrics line (and refresh the progress bar) every this many steps."""
+    progress_bar: bool = True
+    """Show a tqdm progress bar (rank 0 only)."""
+    peak_tflops: float = 989.0
+    """Peak bf16 dense TFLOP/s of one GPU, for MFU (H100/H200 datasheet). Not used on CPU."""
+    tensorboard: bool = False
+    """Also log to TensorBoard (output_dir/tensorboard) when the package is installed."""
+    wandb_project: str = ""
+    """Also log to this Weights & Biases project when ``wandb`` is installed (empty: off)."""
+    plots: bool = True
+    """Write PNG plots of the loss curves and expert load per layer at the end."""
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    """Train LoRA adapters only; the base weights are frozen."""
+    rank: int = 16
+    """Adapter rank r."""
+    alpha: float = 32.0
+    """Scaling numerator: the update is (alpha / rank) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapter input."""
+    targets: list[str] = field(default_factory=lambda: ["attention", "experts"])
+    """Where adapters go: "attention" (q/k/v/o projections), "experts" (one adapter per expert)."""
+    export_merged: bool = True
+    """At the end also write a merged full checkpoint (adapters folded into the weights)."""
+
+
+@dataclass
+class DistributedConfig:
+    parallelism: str = "fsdp"
+    """Data parallelism when launched with several processes: "fsdp" (FSDP2) or "ddp"."""
+    backend: str = ""
+    """torch.distributed backend; empty: nccl on GPU, gloo on CPU."""
+
+
+@dataclass
+class JobConfig:
+    """A complete fine-tuning job. Defaults describe the embedded default job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """What model and tokenizer to fine-tune."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Where the data comes from and how it is turned into batches."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW and the learning-rate schedule."""
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    """Steps, batch sizes, precision, device, seed, output directory."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Periodic resumable checkpoints, resume, final export."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Logging, progress bar, plots."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (attention and experts) instead of full fine-tuning."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """Multi-process data parallelism (under torchrun)."""
+
+
+def validate(config: JobConfig) -> JobConfig:
+    """Cross-field and range checks; raises ValueError naming the field. Returns ``config``."""
+
+    def check(ok: bool, name: str, message: str) -> None:
+        if not ok:
+            raise ValueError(f"config field {name}: {message}")
+
+    check(config.training.precision in PRECISIONS, "training.precision",
+          f"{config.training.precision!r} is not one of {PRECISIONS}")
+    check(config.training.device in ("auto", "cpu", "cuda"), "training.device",
+          f"{config.training.device!r} is not one of ('auto', 'cpu', 'cuda')")
+    check(config.distributed.parallelism in PARALLELISMS, "distributed.parallelism",
+          f"{config.distributed.parallelism!r} is not one of {PARALLELISMS}")
+    check(config.data.on_bad_row in ON_BAD_ROW, "data.on_bad_row",
+          f"{config.data.on_bad_row!r} is not one of {ON_BAD_ROW}")
+    for target in config.lora.targets:
+        check(target in LORA_TARGETS, "lora.targets", f"{target!r} is not one of {LORA_TARGETS}")
+    for name, value in [
+        ("training.steps", config.training.steps),
+        ("training.micro_batch_size", config.training.micro_batch_size),
+        ("training.grad_accum_steps", config.training.grad_accum_steps),
+        ("data.max_length", config.data.max_length),
+        ("checkpoint.keep_last", config.checkpoint.keep_last),
+        ("metrics.log_every", config.metrics.log_every),
+        ("lora.rank", config.lora.rank),
+    ]:
+        check(value >= 1, name, f"must be >= 1, got {value}")
+    for name, value in [
+        ("optim.warmup_steps", config.optim.warmup_steps),
+        ("optim.weight_decay", config.optim.weight_decay),
+        ("optim.grad_clip", config.optim.grad_clip),
+        ("checkpoint.every", config.checkpoint.every),
+        ("training.val_every", config.training.val_every),
+        ("training.num_threads", config.training.num_threads),
+        ("data.num_eval_samples", config.data.num_eval_samples),
+    ]:
+        check(value >= 0, name, f"must be >= 0, got {value}")
+    check(config.optim.lr > 0, "optim.lr", f"must be > 0, got {config.optim.lr}")
+    check(0.0 <= config.optim.min_lr_ratio <= 1.0, "optim.min_lr_ratio",
+          f"must be in [0, 1], got {config.optim.min_lr_ratio}")
+    check(0.0 <= config.data.val_fraction < 1.0, "data.val_fraction",
+          f"must be in [0, 1), got {config.data.val_fraction}")
+    check(all(0.0 <= b < 1.0 for b in config.optim.betas), "optim.betas",
+          f"each beta must be in [0, 1), got {config.optim.betas}")
+    check(bool(config.model.pretrained_path or config.model.config_path), "model.config_path",
+          "set model.pretrained_path or model.config_path")
+    check(bool(config.model.tokenizer_path or config.model.pretrained_path), "model.tokenizer_path",
+          "set model.tokenizer_path (or model.pretrained_path, whose tokenizer is then used)")
+    check(bool(config.data.train_path), "data.train_path", "must not be empty")
+    check(config.metrics.peak_tflops > 0, "metrics.peak_tflops", "must be > 0")
+    return config

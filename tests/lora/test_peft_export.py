@@ -1,0 +1,128 @@
+"""The PEFT export, loaded by `peft` onto plain Transformers v5, computes the LoRA model's logits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from moetune.lora import LoraSettings, apply_lora, export_peft_adapter
+
+from .helpers import build_moetune_model, randomize_adapters, rel_err, tiny_qwen3_moe_config
+
+peft = pytest.importorskip("peft")
+
+
+def _export_and_load_with_peft(tmp_path, settings: LoraSettings, tokens, config=None):
+    model = build_moetune_model(config or tiny_qwen3_moe_config())
+    model.save_pretrained(tmp_path / "base")
+    apply_lora(model, settings)
+    randomize_adapters(model)
+    with torch.no_grad():
+        adapted = model(tokens).logits
+    export_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
+
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    assert type(plain).__module__.startswith("transformers.")
+    with torch.no_grad():
+        base_logits = plain(tokens).logits
+    loaded = peft.PeftModel.from_pretrained(plain, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        peft_logits = loaded(tokens).logits
+    return adapted, base_logits, peft_logits, loaded
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        LoraSettings(rank=2, alpha=4),
+        LoraSettings(rank=3, alpha=2, target_modules=[]),  # experts only
+        LoraSettings(rank=2, alpha=8, dropout=0.1, target_modules=["q_proj", "v_proj"], target_experts=False),
+    ],
+    ids=["attention+experts", "experts", "attention"],
+)
+def test_peft_loads_export_with_same_logits(tmp_path, tokens, settings):
+    adapted, base_logits, peft_logits, _ = _export_and_load_with_peft(tmp_path, settings, tokens)
+    assert rel_err(base_logits, adapted) > 1e-2  # the adapters matter, so a dropped one would show
+    assert rel_err(peft_logits, adapted) < 1e-5
+
+
+def test_export_files_are_peft_format(tmp_path, tokens):
+    _, _, _, loaded = _export_and_load_with_peft(tmp_path, LoraSettings(rank=2, alpha=4), tokens)
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 2 and config["lora_alpha"] == 4
+    assert sorted(config["target_parameters"]) == ["experts.down_proj", "experts.gate_up_proj"]
+    assert config["base_model_name_or_path"] == str(tmp_path / "base")
+    # Every LoRA weight peft created was filled from the file (none left at peft's init).
+    from safetensors.torch import load_file
+
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    peft_keys = {k.replace(".default", "") for k in loaded.state_dict() if "lora_" in k}
+    assert set(saved) == peft_keys
+    assert saved["base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"].shape == (4 * 2, 32)
+    assert saved["base_model.model.model.layers.0.mlp.experts.lora_B.weight"].shape == (32, 2 * 4)
+
+
+def test_merge_in_peft_matches_moetune_merge(tmp_path, tokens):
+    adapted, _, _, loaded = _export_and_load_with_peft(tmp_path, LoraSettings(rank=2, alpha=4), tokens)
+    merged = loaded.merge_and_unload()
+    with torch.no_grad():
+        assert rel_err(merged(tokens).logits, adapted) < 1e-5
+
+
+def test_dense_mlp_targets_cannot_be_exported(tmp_path):
+    # peft rewrites `down_proj` & co. to the experts of a qwen3_moe model: the dense layer's adapter would be lost.
+    model = apply_lora(
+        build_moetune_model(tiny_qwen3_moe_config()), LoraSettings(target_modules=["q_proj", "down_proj"])
+    )
+    with pytest.raises(ValueError, match=r"target_modules \['down_proj'\]"):
+        export_peft_adapter(model, tmp_path / "adapter")
+
+
+# The same functions on plain Transformers models of other MoE families: transposed expert storage
+# (GPT-OSS, `is_transposed`), MLA attention + shared experts (DeepSeek-V3), Mixtral.
+_OTHER_FAMILIES = {
+    "gpt_oss": (
+        lambda: transformers.GptOssConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        ),
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+    ),
+    "deepseek_v3": (
+        lambda: transformers.DeepseekV3Config(
+            vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+            qk_nope_head_dim=4, v_head_dim=8, n_shared_experts=1,
+        ),
+        ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    ),
+    "mixtral": (
+        lambda: transformers.MixtralConfig(
+            vocab_size=128, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+        ),
+        ["q_proj", "o_proj"],
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(_OTHER_FAMILIES))
+def test_peft_parity_on_other_transformers_families(tmp_path, tokens, family):
+    make_config, target_modules = _OTHER_FAMILIES[family]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(make_config()).float().eval()
+    model.save_pretrained(tmp_path / "base")
+    apply_lora(model, LoraSettings(rank=2, alpha=4, target_modules=target_modules))
+    randomize_adapters(model)
+    with torch.no_grad():
+        adapted = model(tokens).logits
+    export_peft_adapter(model, tmp_path / "adapter")
+
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base").eval()
+    loaded = peft.PeftModel.from_pretrained(plain, tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert rel_err(loaded(tokens).logits, adapted) < 1e-5
