@@ -107,6 +107,8 @@ def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
     buffers (RoPE frequencies), which no checkpoint stores."""
     model.to_empty(device=device)
     rebuild_non_persistent_buffers(model, device)
+    if hasattr(model, "tie_weights"):  # to_empty gives each module its own tensor, untying lm_head
+        model.tie_weights()
 
 
 @torch.no_grad()

@@ -46,10 +46,12 @@ class CheckpointLayout:
     def is_ignored(self, key: str) -> bool:
         return any(re.match(p, key) for p in self.ignored_keys)
 
-    def region(self, key: str, source_shape: tuple[int, ...], param_shapes: dict[str, tuple[int, ...]]) -> Region | None:
-        """Where checkpoint tensor ``key`` goes, or None if no parameter takes it."""
+    def region(self, key: str, param_shapes: dict[str, tuple[int, ...]]) -> Region | None:
+        """The block checkpoint tensor ``key`` must fill (its expected shape is ``region.shape``
+        without the leading expert dim for per-expert tensors), or None if no parameter takes it."""
         if key in param_shapes:
-            return Region(key, (0,) * len(source_shape), tuple(source_shape))
+            shape = param_shapes[key]
+            return Region(key, (0,) * len(shape), shape)
         if not self.fused_experts:
             return None
         match = self._per_expert_pattern().match(key)
@@ -57,13 +59,14 @@ class CheckpointLayout:
             return None
         expert, part = int(match["expert"]), match["part"]
         for fused in self.fused_experts:
-            if part not in fused.parts:
-                continue
             param = f"{match['prefix']}.{fused.name}"
-            if param not in param_shapes or len(source_shape) != 2:
+            if part not in fused.parts or param not in param_shapes:
+                continue
+            num_experts, rows, cols = param_shapes[param]
+            if expert >= num_experts:
                 return None
-            row_offset = fused.parts.index(part) * source_shape[0]
-            return Region(param, (expert, row_offset, 0), (1, *source_shape))
+            part_rows = rows // len(fused.parts)
+            return Region(param, (expert, fused.parts.index(part) * part_rows, 0), (1, part_rows, cols))
         return None
 
     def per_expert_tensors(self, name: str, tensor):

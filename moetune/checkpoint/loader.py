@@ -61,16 +61,13 @@ def plan_checkpoint_load(
     for key, info in tensors.items():
         if layout.is_ignored(key) or key in tied:
             continue
-        region = layout.region(key, info.shape, shapes)
+        region = layout.region(key, shapes)
         if region is None:
             unexpected.append(key)
             continue
-        target = shapes[region.param]
-        fits = len(region.shape) == len(target) and all(
-            o + s <= t for o, s, t in zip(region.offset, region.shape, target)
-        )
-        if not fits:
-            misshaped.append(f"{key} {list(info.shape)} (model expects {region.param} {list(target)})")
+        extra = 0 if region.param == key else 1  # per-expert tensors lack the leading expert dim
+        if tuple(info.shape) != region.shape[extra:]:
+            misshaped.append(f"{key} {list(info.shape)} (expected {list(region.shape[extra:])} for {region.param})")
             continue
         covered[region.param] += prod(region.shape)
         items.append(LoadItem(key, info, region))

@@ -118,7 +118,7 @@ def _finalize(model: nn.Module, target: Path, staging: Path, written: list[Path]
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
     config = model.config
-    config.architectures = [type(model).__name__]
+    config.architectures = [_model_class(model).__name__]
     config.save_pretrained(staging)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and getattr(model, "can_generate", lambda: False)():
@@ -129,6 +129,14 @@ def _finalize(model: nn.Module, target: Path, staging: Path, written: list[Path]
             old.unlink()
     for path in staging.iterdir():
         os.replace(path, target / path.name)
+
+
+def _model_class(model: nn.Module) -> type:
+    """The model's own class: FSDP2 swaps in a subclass named ``FSDP<name>`` with bases (FSDPModule, cls)."""
+    cls = type(model)
+    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2:
+        return cls.__bases__[1]
+    return cls
 
 
 def _numel(shape) -> int:

@@ -7,6 +7,7 @@ and the pure-PyTorch references run, on machines without Triton.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal
 
 import torch
@@ -67,3 +68,8 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # CPU tensors only reach a kernel under the interpreter: keep its grid tiny
+
+
+def device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make ``t``'s GPU current for a launch (Triton launches on the current device and stream)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()

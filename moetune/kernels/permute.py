@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from moetune.kernels._triton_utils import HAS_TRITON, Impl, next_pow2, tl, triton, use_triton, warps_for
+from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton, warps_for
 
 _MAX_BLOCK_H = 2048
 
@@ -112,12 +112,13 @@ def _gather_rows_triton(
         return out, dw
     y = _rows(y_for_dot) if y_for_dot is not None else x
     block_h = min(next_pow2(num_cols), _MAX_BLOCK_H)
-    _gather_rows_kernel[(num_rows,)](
-        x, order_N, weights if weights is not None else x, y, out, dw if dw is not None else out,
-        num_cols, top_k, x.stride(0), y.stride(0), out.stride(0),
-        HAS_WEIGHTS=weights is not None, COMPUTE_DOT=y_for_dot is not None,
-        BLOCK_H=block_h, num_warps=warps_for(block_h),
-    )  # fmt: skip
+    with device_of(x):
+        _gather_rows_kernel[(num_rows,)](
+            x, order_N, weights if weights is not None else x, y, out, dw if dw is not None else out,
+            num_cols, top_k, x.stride(0), y.stride(0), out.stride(0),
+            HAS_WEIGHTS=weights is not None, COMPUTE_DOT=y_for_dot is not None,
+            BLOCK_H=block_h, num_warps=warps_for(block_h),
+        )  # fmt: skip
     return out, dw
 
 
@@ -131,11 +132,12 @@ def _sum_rows_triton(
     if num_tokens == 0:
         return out
     block_h = min(next_pow2(num_cols), _MAX_BLOCK_H)
-    _sum_rows_kernel[(num_tokens, triton.cdiv(num_cols, block_h))](
-        y, inverse_N, weights if weights is not None else y, out,
-        num_cols, top_k, y.stride(0), out.stride(0),
-        HAS_WEIGHTS=weights is not None, BLOCK_H=block_h, num_warps=warps_for(block_h),
-    )  # fmt: skip
+    with device_of(y):
+        _sum_rows_kernel[(num_tokens, triton.cdiv(num_cols, block_h))](
+            y, inverse_N, weights if weights is not None else y, out,
+            num_cols, top_k, y.stride(0), out.stride(0),
+            HAS_WEIGHTS=weights is not None, BLOCK_H=block_h, num_warps=warps_for(block_h),
+        )  # fmt: skip
     return out
 
 

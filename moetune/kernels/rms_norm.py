@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moetune.kernels._triton_utils import HAS_TRITON, Impl, next_pow2, num_sms, tl, triton, use_triton, warps_for
+from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, num_sms, tl, triton, use_triton, warps_for
 
 # One row must fit in a program's registers; wider rows take the reference.
 MAX_TRITON_COLS = 32768
@@ -114,10 +114,11 @@ def _fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torc
     y2d = y.view(num_rows, num_cols)
     block_m, block_n, num_warps = _launch_sizes(num_cols)
     grid = (triton.cdiv(num_rows, block_m),)
-    _rms_norm_fwd_kernel[grid](
-        x2d, weight, y2d, rstd, num_rows, num_cols, x2d.stride(0), y2d.stride(0), eps,
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
+    with device_of(x2d):
+        _rms_norm_fwd_kernel[grid](
+            x2d, weight, y2d, rstd, num_rows, num_cols, x2d.stride(0), y2d.stride(0), eps,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )  # fmt: skip
     return y, rstd
 
 
@@ -135,11 +136,12 @@ def _bwd_triton(
     block_m, block_n, num_warps = _launch_sizes(num_cols)
     num_programs = min(triton.cdiv(num_rows, block_m), 2 * num_sms(x.device))
     dw_partial = torch.empty((num_programs, num_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
-    _rms_norm_bwd_kernel[(num_programs,)](
-        dy2d, x2d, weight, rstd, dx2d, dw_partial,
-        num_rows, num_cols, dy2d.stride(0), x2d.stride(0), dx2d.stride(0), num_programs * block_m,
-        COMPUTE_DW=compute_dw, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
+    with device_of(dy2d):
+        _rms_norm_bwd_kernel[(num_programs,)](
+            dy2d, x2d, weight, rstd, dx2d, dw_partial,
+            num_rows, num_cols, dy2d.stride(0), x2d.stride(0), dx2d.stride(0), num_programs * block_m,
+            COMPUTE_DW=compute_dw, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )  # fmt: skip
     dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
     return dx, dw
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from moetune.kernels._triton_utils import HAS_TRITON, Impl, next_pow2, tl, triton, use_triton, warps_for
+from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton, warps_for
 
 _TILE = 2048  # elements per half-tile (heads x D/2) held in registers
 
@@ -108,14 +108,15 @@ def _rope_triton(
     half_dim = head_dim // 2
     block_d = next_pow2(half_dim)
     block_h = max(1, min(next_pow2(max(num_q_heads, num_k_heads)), _TILE // block_d))
-    _rope_kernel[(batch * seq_len,)](
-        q, k, cos, sin, q_out, k_out,
-        seq_len, num_q_heads, num_k_heads, half_dim,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        cos.stride(0), cos.stride(1),
-        BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps_for(block_h * block_d),
-    )  # fmt: skip
+    with device_of(q):
+        _rope_kernel[(batch * seq_len,)](
+            q, k, cos, sin, q_out, k_out,
+            seq_len, num_q_heads, num_k_heads, half_dim,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
+            cos.stride(0), cos.stride(1),
+            BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps_for(block_h * block_d),
+        )  # fmt: skip
 
 
 def _rope_torch(

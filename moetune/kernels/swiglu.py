@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetune.kernels._triton_utils import HAS_TRITON, Impl, next_pow2, tl, triton, use_triton, warps_for
+from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton, warps_for
 
 _MAX_BLOCK_N = 1024
 
@@ -91,10 +91,11 @@ def _fwd_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return y
     y2d = y.view(num_rows, num_cols)
     grid, block_m, block_n, num_warps = _grid(num_rows, num_cols)
-    _swiglu_fwd_kernel[grid](
-        g2d, u2d, y2d, num_rows, num_cols, g2d.stride(0), u2d.stride(0), y2d.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
+    with device_of(g2d):
+        _swiglu_fwd_kernel[grid](
+            g2d, u2d, y2d, num_rows, num_cols, g2d.stride(0), u2d.stride(0), y2d.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )  # fmt: skip
     return y
 
 
@@ -106,11 +107,12 @@ def _bwd_triton(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dg: torc
     if num_rows * num_cols == 0:
         return
     grid, block_m, block_n, num_warps = _grid(num_rows, num_cols)
-    _swiglu_bwd_kernel[grid](
-        dy2d, g2d, u2d, dg2d, du2d, num_rows, num_cols,
-        dy2d.stride(0), g2d.stride(0), u2d.stride(0), dg2d.stride(0), du2d.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )  # fmt: skip
+    with device_of(dy2d):
+        _swiglu_bwd_kernel[grid](
+            dy2d, g2d, u2d, dg2d, du2d, num_rows, num_cols,
+            dy2d.stride(0), g2d.stride(0), u2d.stride(0), dg2d.stride(0), du2d.stride(0),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        )  # fmt: skip
 
 
 def _fwd_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

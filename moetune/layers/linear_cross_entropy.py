@@ -28,13 +28,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_TH, w_VH, targets_T, normalizer, chunk_rows: int, ignore_index: int):
         needs_h, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss_sum = torch.zeros((), dtype=torch.float32, device=h_TH.device)
+        acc_dtype = torch.promote_types(w_VH.dtype, torch.float32)  # fp32 for bf16 models, fp64 stays fp64
+        loss_sum = torch.zeros((), dtype=acc_dtype, device=h_TH.device)
         grad_h_TH = torch.empty_like(h_TH) if needs_h else None
-        grad_w_VH = torch.zeros(w_VH.shape, dtype=torch.float32, device=w_VH.device) if needs_w else None
+        grad_w_VH = torch.zeros(w_VH.shape, dtype=acc_dtype, device=w_VH.device) if needs_w else None
         for start in range(0, h_TH.shape[0], chunk_rows):
             h_CH = h_TH[start : start + chunk_rows]
             targets_C = targets_T[start : start + chunk_rows]
-            logits_CV = (h_CH @ w_VH.t()).float()
+            logits_CV = (h_CH @ w_VH.t()).to(acc_dtype)
             valid_C = targets_C != ignore_index
             safe_targets_C = targets_C.masked_fill(~valid_C, 0)
             lse_C = torch.logsumexp(logits_CV, dim=-1)
@@ -45,7 +46,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # d(sum of token losses)/d(logits) = softmax - one_hot, zero on ignored rows; reuse the buffer.
             grad_logits_CV = logits_CV.sub_(lse_C.unsqueeze(1)).exp_()
             grad_logits_CV.scatter_add_(1, safe_targets_C.unsqueeze(1), torch.full_like(lse_C, -1.0).unsqueeze(1))
-            grad_logits_CV.mul_((valid_C.float() / normalizer).unsqueeze(1))
+            grad_logits_CV.mul_((valid_C.to(acc_dtype) / normalizer).unsqueeze(1))
             # Both GEMMs run in the model dtype (tensor cores for bf16); the head's gradient is
             # accumulated over chunks in fp32.
             grad_logits_CV = grad_logits_CV.to(w_VH.dtype)
@@ -80,12 +81,13 @@ def linear_cross_entropy(
     """
     if hidden_TH.shape[0] != targets_T.shape[0]:
         raise ValueError(f"hidden states have {hidden_TH.shape[0]} rows but targets have {targets_T.shape[0]}")
+    acc_dtype = torch.promote_types(weight_VH.dtype, torch.float32)
     if num_items_in_batch is None:
-        normalizer = (targets_T != ignore_index).sum().float()
+        normalizer = (targets_T != ignore_index).sum().to(acc_dtype)
     elif isinstance(num_items_in_batch, torch.Tensor):
-        normalizer = num_items_in_batch.to(device=hidden_TH.device, dtype=torch.float32)
+        normalizer = num_items_in_batch.to(device=hidden_TH.device, dtype=acc_dtype)
     else:
-        normalizer = torch.tensor(float(num_items_in_batch), device=hidden_TH.device)
+        normalizer = torch.tensor(float(num_items_in_batch), device=hidden_TH.device, dtype=acc_dtype)
     if chunk_rows is None:
         # About 256 MiB of fp32 logits per chunk.
         chunk_rows = max(1, (1 << 26) // weight_VH.shape[0])

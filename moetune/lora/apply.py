@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from moetune.lora.experts import add_expert_adapters, is_lora_experts, merge_expert_adapters
 from moetune.lora.linear import add_linear_adapter, is_lora_linear, merge_linear_adapter
@@ -67,6 +68,9 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """Freeze every base parameter and add adapters; returns `model` (modified in place)."""
     if getattr(model, SETTINGS_ATTR, None) is not None:
         raise ValueError("apply_lora: the model already has LoRA adapters (merge_lora first)")
+    if any(isinstance(module, FSDPModule) for module in model.modules()):
+        # FSDP2 only manages parameters that exist when fully_shard runs.
+        raise ValueError("apply_lora: the model is already wrapped by FSDP2; apply LoRA before fully_shard")
     linear_targets = find_linear_targets(model, settings.target_modules) if settings.target_modules else {}
     expert_targets = find_expert_targets(model) if settings.target_experts else {}
     if settings.target_experts and not expert_targets:

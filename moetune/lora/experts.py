@@ -6,8 +6,9 @@ For a weight W [E, O, I] (Transformers v5's layout: `gate_up_proj` [E, 2*inter, 
 [E, H, inter]) the adapters are A [E, R, I] and B [E, O, R], and the experts' forward sees
 W_e + s * B_e @ A_e. (Layouts stored transposed, [E, I, O], flagged `is_transposed` by
 Transformers, get the transposed delta.) The adapters are parameters of the experts module
-itself (`experts.lora_A_gate_up_proj`), so expert parallelism, which shards every parameter of
-that module along dim 0, gives each rank the adapters of its own experts.
+itself (`experts.lora_A_gate_up_proj`); on an expert-parallel module (weights are DTensors
+sharded on the expert dim) they are sharded the same way, so each rank holds the adapters of its
+own experts and the delta is computed locally.
 
 How the delta gets in without touching the experts' forward: the module's class is swapped for a
 subclass with a property per adapted weight, the mechanism of `torch.nn.utils.parametrize`, but
@@ -23,6 +24,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 _SCALING = "lora_scaling"
 _TARGETS = "_moetune_lora_targets"
@@ -53,7 +55,11 @@ def is_transposed(module: nn.Module) -> bool:
 def add_expert_adapters(
     module: nn.Module, param_names: tuple[str, ...], *, rank: int, scaling: float, dtype: torch.dtype
 ) -> None:
-    """Give every expert of `module` an adapter on each of `param_names` (3-D weights)."""
+    """Give every expert of `module` an adapter on each of `param_names` (3-D weights).
+
+    Expert-parallel weights (DTensors sharded on the expert dim) get adapters sharded the same way,
+    so each rank holds the adapters of its own experts.
+    """
     if is_lora_experts(module):
         raise ValueError(f"{type(module).__name__} already has LoRA adapters")
     transposed = is_transposed(module)
@@ -61,17 +67,30 @@ def add_expert_adapters(
         weight = module._parameters[name]
         if weight is None or weight.dim() != 3:
             raise TypeError(f"expert weight {name!r} must be a 3-D parameter [E, out, in]")
-        num_experts = weight.shape[0]
+        num_experts = weight.shape[0]  # global E for a DTensor
         out_features, in_features = (weight.shape[2], weight.shape[1]) if transposed else weight.shape[1:]
         lora_A_ERI = torch.empty(num_experts, rank, in_features, device=weight.device, dtype=dtype)
         # kaiming-uniform per expert (fan_in = in_features), as PEFT's Linear(in, R*E) init does.
         nn.init.kaiming_uniform_(lora_A_ERI.view(num_experts * rank, in_features), a=math.sqrt(5))
         lora_B_EOR = torch.zeros(num_experts, out_features, rank, device=weight.device, dtype=dtype)
-        module.register_parameter(lora_a_name(name), nn.Parameter(lora_A_ERI))
-        module.register_parameter(lora_b_name(name), nn.Parameter(lora_B_EOR))
+        module.register_parameter(lora_a_name(name), nn.Parameter(_shard_like(lora_A_ERI, weight, name)))
+        module.register_parameter(lora_b_name(name), nn.Parameter(_shard_like(lora_B_EOR, weight, name)))
     setattr(module, _SCALING, scaling)
     setattr(module, _TARGETS, tuple(param_names))
     module.__class__ = _lora_class(type(module), tuple(param_names))
+
+
+def _shard_like(adapter: torch.Tensor, weight: torch.Tensor, name: str) -> torch.Tensor:
+    """`adapter` (global, [E, ...]) placed like `weight` when that is a DTensor (expert parallelism)."""
+    if not isinstance(weight, DTensor):
+        return adapter
+    if not all(p.is_replicate() or (p.is_shard() and p.dim == 0) for p in weight.placements):
+        raise NotImplementedError(
+            f"LoRA on expert weight {name!r} placed {weight.placements}: only sharding on the expert dim "
+            "(expert parallelism) or replication is supported; apply_lora before FSDP2 / tensor parallelism"
+        )
+    # distribute_tensor scatters rank 0's values, so replicas agree whatever each rank's RNG state.
+    return distribute_tensor(adapter, weight.device_mesh, weight.placements)
 
 
 def expert_delta(module: nn.Module, param_name: str) -> torch.Tensor:

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 # Attribute names set on an adapted Linear; `lora_` is the prefix that marks adapter parameters.
 LORA_A = "lora_A"
@@ -32,6 +33,9 @@ def add_linear_adapter(
     """Attach a rank-`rank` adapter to `module` (B starts at zero, so the output is unchanged)."""
     if is_lora_linear(module):
         raise ValueError(f"{module!r} already has a LoRA adapter")
+    if isinstance(module.weight, DTensor):
+        # Plain adapters next to a sharded weight would be neither sharded nor gradient-synchronised.
+        raise NotImplementedError("LoRA on a sharded (DTensor) Linear: apply_lora before FSDP2 / tensor parallelism")
     out_features, in_features = module.weight.shape
     device = module.weight.device
     lora_A_RI = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))

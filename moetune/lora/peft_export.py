@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moetune.lora.apply import SETTINGS_ATTR
 from moetune.lora.experts import adapted_params, is_lora_experts, lora_a_name, lora_b_name
@@ -38,20 +39,26 @@ def peft_adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters under PEFT's serialized names and layouts (contiguous, on CPU)."""
     tensors: dict[str, torch.Tensor] = {}
     for name, module in model.named_modules():
+        prefix = f"{_PREFIX}{name}." if name else _PREFIX
         if is_lora_linear(module):
-            tensors[f"{_PREFIX}{name}.lora_A.weight"] = getattr(module, LORA_A).detach()
-            tensors[f"{_PREFIX}{name}.lora_B.weight"] = getattr(module, LORA_B).detach()
+            tensors[prefix + "lora_A.weight"] = _full(getattr(module, LORA_A).detach())
+            tensors[prefix + "lora_B.weight"] = _full(getattr(module, LORA_B).detach())
         elif is_lora_experts(module):
             params = adapted_params(module)
             for index, pname in enumerate(params):
-                key = f"{_PREFIX}{name}." + "base_layer." * (len(params) - 1 - index)
-                lora_A_ERI = module._parameters[lora_a_name(pname)].detach()
-                lora_B_EOR = module._parameters[lora_b_name(pname)].detach()
+                key = prefix + "base_layer." * (len(params) - 1 - index)
+                lora_A_ERI = _full(module._parameters[lora_a_name(pname)].detach())
+                lora_B_EOR = _full(module._parameters[lora_b_name(pname)].detach())
                 num_experts, rank, in_features = lora_A_ERI.shape
                 tensors[key + "lora_A.weight"] = lora_A_ERI.reshape(num_experts * rank, in_features)
                 # [E, O, R] -> [O, R, E] -> [O, R*E]: PEFT's column r*E + e.
                 tensors[key + "lora_B.weight"] = lora_B_EOR.permute(1, 2, 0).reshape(lora_B_EOR.shape[1], -1)
     return {key: t.to("cpu").contiguous() for key, t in tensors.items()}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    # Expert-parallel adapters are DTensors: gather every expert (a collective: call on all ranks).
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def _target_parameters(model: nn.Module) -> list[str]:

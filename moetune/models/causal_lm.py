@@ -130,11 +130,15 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
 
         aux_loss = None
         if output_router_logits and router_logits:
+            token_mask = None
+            if attention_mask is not None and attention_mask.dim() == 2:
+                # With a KV cache the mask covers past tokens too; the routers saw only the new ones.
+                token_mask = attention_mask[:, -hidden_BSH.shape[1] :]
             aux_loss = load_balancing_loss(
                 router_logits,
                 num_experts=self.config.num_experts,
                 top_k=self.config.num_experts_per_tok,
-                attention_mask=attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None,
+                attention_mask=token_mask,
             )
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)

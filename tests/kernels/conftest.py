@@ -1,20 +1,23 @@
-"""Fixtures for the kernel tests: running the Triton kernels in Triton's CPU interpreter."""
+"""The ``interpret`` fixture: tests that run the real Triton kernels on CPU tensors.
+
+Triton's interpreter must be chosen before ``triton`` is imported (``TRITON_INTERPRET=1`` makes
+``@triton.jit``, Triton's own library functions included, build interpreted functions), so these
+tests only run in a process started with that variable: ``test_interpret_mode.py`` starts one
+(``pytest tests/kernels -k interpreter``) whenever Triton is installed. In a normal process they
+skip.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
-import torch
-
-from moetune.kernels import permute, rms_norm, rope, swiglu
-
-KERNEL_MODULES = (rms_norm, swiglu, rope, permute)
-
 
 
 def _patch_interpreter_index(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton 3.x's interpreter turns a scalar tensor into an int with ``int(array)``, which
-    NumPy >= 2.? refuses for its 1-element arrays; runtime loop bounds (``range(0, n, step)``)
-    then fail in the interpreter only. Re-set ``__index__`` after the interpreter's own patch."""
+    """Triton 3.x's interpreter turns a scalar into an int with ``int(array)``, which recent NumPy
+    refuses for its 1-element arrays, so runtime loop bounds (``range(0, n, step)``) fail in the
+    interpreter only (compiled kernels are unaffected). Re-set ``__index__`` after its own patch."""
     import triton.runtime.interpreter as interpreter
 
     original = interpreter._patch_lang_tensor
@@ -28,14 +31,8 @@ def _patch_interpreter_index(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Swap every ``@triton.jit`` kernel of moetune.kernels for its interpreted twin, so that
-    ``impl="triton"`` runs the real kernel code on CPU tensors (slow: keep shapes tiny)."""
-    pytest.importorskip("triton", reason="triton is not installed (it is an optional, GPU-only dependency)")
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
+    """Lets ``impl="triton"`` run the kernels on CPU tensors in Triton's interpreter (slow: tiny shapes)."""
+    pytest.importorskip("triton", reason="triton is not installed (optional, GPU-only dependency)")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1 at process start; test_interpret_mode.py runs these in a subprocess")
     _patch_interpreter_index(monkeypatch)
-    for module in KERNEL_MODULES:
-        for name, obj in list(vars(module).items()):
-            if isinstance(obj, JITFunction):
-                monkeypatch.setattr(module, name, InterpretedFunction(obj.fn))

@@ -9,7 +9,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
 from moetune.kernels import RMSNorm, rms_norm, rms_norm_reference
 from moetune.kernels.rms_norm import RMSNormFunction
-from kernel_test_utils import bf16_close, gpu
+from kernel_test_utils import bf16_close, fp32_close, gpu
 
 
 def naive_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -96,9 +96,9 @@ def _check_triton_vs_reference(x, w, dy, *, eps=1e-6):
     assert y.dtype == torch.promote_types(x.dtype, w.dtype) and y.shape == x.shape
     assert dx.dtype == x.dtype and dw.dtype == w.dtype
     if x.dtype == torch.float32:
-        torch.testing.assert_close(y, y_ref, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(dx, dx_ref, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(dw, dw_ref, atol=1e-4, rtol=1e-5)
+        fp32_close(y, y_ref, atol=1e-6, rtol=1e-6)
+        fp32_close(dx, dx_ref, atol=1e-5, rtol=1e-5)
+        fp32_close(dw, dw_ref, atol=1e-4, rtol=1e-5)
     else:
         for got, exact in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
             bf16_close(got, exact)

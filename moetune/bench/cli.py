@@ -1,0 +1,315 @@
+"""``moetune bench``: Transformers v5 and moetune trained side by side on the same config, weights,
+tokens and optimizer, in one invocation (one process, or every rank of a torchrun launch).
+
+    moetune bench --layers 8 --seq-len 4096 --routing both --parity          # one GPU
+    torchrun --nproc-per-node 2 -m moetune.bench --layers 16                 # FSDP2 vs moetune EP
+    moetune bench --probe-max-seq                                            # longest sequence
+    moetune bench --config tiny --seq-len 64 --device cpu                    # smoke test
+
+See benchmarks/README.md for what is measured and how.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from moetune.bench.env import RunEnv, commit, gpu_name, hardware_slug, setup, teardown, utc_now, versions
+from moetune.bench.flops import flops_per_token
+from moetune.bench.measure import matmul_peak_tflops
+from moetune.bench.models import SIDES, SideUnavailable, build_side, load_config
+from moetune.bench.probe import EXIT_OOM, RESULT_PREFIX, probe_side
+from moetune.bench.report import (
+    comparisons,
+    format_header,
+    format_parity,
+    format_probe,
+    format_table,
+    resolve_out,
+    result_stem,
+    summarize,
+    write_chart,
+    write_json,
+)
+from moetune.bench.run import Row, RowResult, is_oom, make_rows, run_rows
+
+DEFAULT_LAYERS = 8
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="moetune bench",
+        description="Train Transformers v5 and moetune side by side and compare tokens/s/GPU, TFLOP/s, MFU and memory.",
+    )
+    p.add_argument("--config", default="qwen3_30b_a3b", help="shipped config (qwen3_30b_a3b, tiny), a config.json or a folder")
+    p.add_argument("--layers", type=int, default=None, help=f"decoder layers (default: min({DEFAULT_LAYERS}, the config's))")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--micro-batch", type=int, nargs="+", default=[1], help="one or more micro-batch sizes")
+    p.add_argument("--routing", choices=("real", "balanced", "both"), default="both")
+    p.add_argument("--sides", default="hf,moetune", help="comma-separated subset of hf,moetune")
+    p.add_argument(
+        "--activation-checkpointing", nargs="?", const="on", choices=("off", "on", "both"), default=None,
+        help="per-layer activation checkpointing on both sides (default off; on for --probe-max-seq)",
+    )
+    p.add_argument("--steps", type=int, default=10, help="measured steps per setting (median reported)")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up steps per setting")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
+    p.add_argument("--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path")
+    p.add_argument("--no-chart", action="store_true")
+    g = p.add_argument_group("correctness check (bf16 parity against an fp32 reference)")
+    g.add_argument("--parity", action="store_true", help="run the parity check before timing")
+    g.add_argument("--parity-only", action="store_true", help="run only the parity check")
+    g.add_argument("--parity-layers", type=int, default=2)
+    g.add_argument("--parity-seq-len", type=int, default=1024)
+    g.add_argument("--parity-routing", choices=("real", "balanced"), default="real")
+    g = p.add_argument_group("longest-sequence probe")
+    g.add_argument("--probe-max-seq", action="store_true", help="find the longest sequence each side trains (one GPU)")
+    g.add_argument("--probe-start", type=int, default=4096)
+    g.add_argument("--probe-step", type=int, default=1024)
+    g.add_argument("--probe-max", type=int, default=262144)
+    g.add_argument("--probe-search", choices=("bisect", "linear"), default="bisect")
+    g.add_argument("--probe-timeout", type=float, default=600.0, help="seconds per child process")
+    g.add_argument("--probe-child", choices=SIDES, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--summarize", nargs="+", metavar="JSON", help="print the tables of existing result files and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.summarize:
+        print(summarize(args.summarize))
+        return 0
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if not sides or any(s not in SIDES for s in sides):
+        raise SystemExit(f"--sides must be a comma-separated subset of {','.join(SIDES)}, got {args.sides!r}")
+    if args.probe_child:
+        return _probe_child(args)
+    env = setup(args.device)
+    try:
+        if args.probe_max_seq:
+            return _probe(args, env, sides)
+        return _bench(args, env, sides)
+    finally:
+        teardown(env)
+
+
+def _layers(args: argparse.Namespace) -> int:
+    if args.layers is not None:
+        return args.layers
+    _, config = load_config(args.config)
+    return min(DEFAULT_LAYERS, config.num_hidden_layers)
+
+
+def _ac_values(args: argparse.Namespace, default: str) -> list[bool]:
+    value = args.activation_checkpointing or default
+    return {"off": [False], "on": [True], "both": [False, True]}[value]
+
+
+def _log(env: RunEnv, message: str) -> None:
+    if env.is_main:
+        print(message, flush=True)
+
+
+def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: str) -> dict[str, Any]:
+    now = utc_now()
+    return {
+        "kind": kind,
+        "model": model,
+        "date": now.isoformat(),
+        "gpu": gpu_name(env.device),
+        "hardware": hardware_slug(env.device, env.world_size),
+        "world_size": env.world_size,
+        "device": str(env.device),
+        "versions": versions(),
+        "commit": commit(),
+        "command": " ".join(sys.argv),
+        "config": {
+            "name": args.config,
+            "layers": config.num_hidden_layers,
+            "seq_len": args.seq_len,
+            "micro_batch": args.micro_batch,
+            "routing": args.routing,
+            "activation_checkpointing": args.activation_checkpointing,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "seed": args.seed,
+            "lr": args.lr,
+            "dtype": "bfloat16 parameters, gradients and AdamW states",
+            "optimizer": f"torch.optim.AdamW({'fused' if env.device.type == 'cuda' else 'foreach'}=True, weight_decay=0)",
+        },
+        "model_config": config.to_dict(),
+        "flops_per_token": flops_per_token(config, seq_len=args.seq_len),
+        "_stamp": now.strftime("%Y%m%dT%H%M%SZ"),
+    }
+
+
+def _write(args: argparse.Namespace, env: RunEnv, data: dict[str, Any], *, suffix: str = "", chart: bool = False) -> None:
+    if not env.is_main:
+        return
+    stamp = data.pop("_stamp")
+    stem = result_stem(model=f"{data['model']}-{data['config']['layers']}l{suffix}", hardware=data["hardware"], date=stamp)
+    json_path, png_path = resolve_out(args.out, stem)
+    write_json(data, json_path)
+    print(f"wrote {json_path}", flush=True)
+    if chart and not args.no_chart:
+        if write_chart(data, png_path):
+            print(f"wrote {png_path}", flush=True)
+        else:
+            print("matplotlib is not installed: no chart", flush=True)
+
+
+def _bench(args: argparse.Namespace, env: RunEnv, sides: list[str]) -> int:
+    model, config = load_config(args.config, layers=_layers(args))
+    routings = ["real", "balanced"] if args.routing == "both" else [args.routing]
+    rows = make_rows(
+        routings=routings, micro_batches=args.micro_batch, seq_len=args.seq_len,
+        activation_checkpointing=_ac_values(args, "off"),
+    )
+    if args.steps < 10 or args.warmup < 3:
+        _log(env, f"note: {args.warmup} warm-up / {args.steps} measured steps (the brief's minimum is 3 / 10)")
+    data = _record(args, env, model=model, config=config, kind="parity" if args.parity_only else "bench")
+    data["matmul_peak_tflops"] = peak = matmul_peak_tflops(env.device)
+    _log(env, format_header(data))
+
+    parity_ok = True
+    if args.parity or args.parity_only:
+        if env.distributed:
+            raise SystemExit("--parity runs in one process (one GPU); drop it under torchrun")
+        _, parity_config = load_config(args.config, layers=args.parity_layers)
+        _log(env, f"parity check: {args.parity_layers} layers, seq {args.parity_seq_len}, {args.parity_routing} routing ...")
+        started = time.perf_counter()
+        data["parity"] = parity = _run_parity(parity_config, args, env)
+        parity_ok = parity["passed"]
+        _log(env, f"{format_parity(parity)} ({time.perf_counter() - started:.0f} s)")
+    if args.parity_only:
+        _write(args, env, data, suffix="-parity")
+        return 0 if parity_ok else 1
+
+    flops = {args.seq_len: data["flops_per_token"]}
+    results: list[RowResult] = []
+    data["built"] = {}
+    for side in sides:
+        started = time.perf_counter()
+        try:
+            bench = build_side(
+                side, config, device=env.device, dtype=torch.bfloat16, seed=args.seed, world_size=env.world_size,
+                balanced_gate=rows[0].routing == "balanced",
+            )
+        except Exception as error:  # noqa: BLE001 -- report the side as failed and keep the other one
+            if env.distributed and not isinstance(error, SideUnavailable):
+                raise
+            message = "OOM" if is_oom(error) else f"{type(error).__name__}: {error}"
+            _log(env, f"[{side}] cannot build: {message}")
+            results += [RowResult(side, row, error=f"build failed: {message}") for row in rows]
+            _free(env)
+            continue
+        data["built"][side] = {**bench.notes, "build_s": round(time.perf_counter() - started, 1)}
+        _log(env, f"[{side}] built in {time.perf_counter() - started:.1f} s: {bench.notes}")
+        side_results = run_rows(
+            bench, rows, env=env, flops_per_token=flops, peak_tflops=peak, warmup=args.warmup,
+            steps=args.steps, seed=args.seed, lr=args.lr,
+        )
+        for result in side_results:
+            _log(env, f"[{side}] {_row_line(result)}")
+        results += side_results
+        del bench
+        _free(env)
+
+    data["rows"] = [r.to_json() for r in results]
+    data["comparison"] = comparisons(data["rows"])
+    if env.is_main:
+        print(format_table(data), flush=True)
+    _write(args, env, data, chart=True)
+    return 0 if parity_ok and not any(r.error for r in results) else 1
+
+
+def _run_parity(parity_config, args: argparse.Namespace, env: RunEnv) -> dict[str, Any]:
+    from moetune.bench.parity import run_parity
+
+    return run_parity(
+        parity_config, env=env, seed=args.seed, seq_len=args.parity_seq_len, routing=args.parity_routing
+    )
+
+
+def _row_line(result: RowResult) -> str:
+    if result.error:
+        return f"{result.row.label}: {result.error}"
+    peak = "-" if result.peak_gib is None else f"{result.peak_gib:.1f} GiB"
+    return (
+        f"{result.row.label}: {result.tokens_per_s_per_gpu:,.0f} tokens/s/GPU, {result.tflops_per_gpu:.1f} TFLOP/s, "
+        f"step {1e3 * result.step_s:.1f} ms (fwd+bwd {1e3 * result.fwd_bwd_s:.1f}), peak {peak}, "
+        f"loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}"
+    )
+
+
+def _free(env: RunEnv) -> None:
+    gc.collect()
+    if env.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _probe(args: argparse.Namespace, env: RunEnv, sides: list[str]) -> int:
+    if env.distributed:
+        raise SystemExit("--probe-max-seq runs on one GPU (it starts its own processes); drop torchrun")
+    layers = _layers(args)
+    model, config = load_config(args.config, layers=layers)
+    routing = "real" if args.routing == "both" else args.routing
+    data = _record(args, env, model=model, config=config, kind="probe")
+    data["config"].update(routing=routing, micro_batch=[1], search=args.probe_search, step=args.probe_step)
+    data["probe"] = {}
+    for side in sides:
+        best: dict[str, Any] | None = None
+        for ac in _ac_values(args, "on"):
+            common = [
+                "--config", args.config, "--layers", str(layers), "--routing", routing, "--seed", str(args.seed),
+                "--lr", str(args.lr), "--device", args.device, "--activation-checkpointing", "on" if ac else "off",
+            ]
+            result = probe_side(
+                side=side, common_args=common, start=args.probe_start, step=args.probe_step,
+                maximum=args.probe_max, search=args.probe_search, timeout=args.probe_timeout,
+            )
+            result["activation_checkpointing"] = ac
+            if best is None or (result["longest"] or 0) > (best["longest"] or 0):
+                best = {**result, "other_settings": (best or {}).get("other_settings", [])}
+            else:
+                best.setdefault("other_settings", []).append(result)
+        data["probe"][side] = best
+    print(format_probe(data), flush=True)
+    _write(args, env, data, suffix="-probe")
+    return 0
+
+
+def _probe_child(args: argparse.Namespace) -> int:
+    """One side, one sequence length, one full training step; prints a result line."""
+    env = setup(args.device)
+    ac = _ac_values(args, "on")[-1]
+    routing = "real" if args.routing == "both" else args.routing
+    row = Row(routing, 1, args.seq_len, ac)
+    report: dict[str, Any] = {"side": args.probe_child, "activation_checkpointing": ac}
+    try:
+        _, config = load_config(args.config, layers=_layers(args))
+        bench = build_side(
+            args.probe_child, config, device=env.device, dtype=torch.bfloat16, seed=args.seed,
+            balanced_gate=routing == "balanced",
+        )
+        [result] = run_rows(
+            bench, [row], env=env, flops_per_token={args.seq_len: flops_per_token(config, seq_len=args.seq_len)},
+            peak_tflops=None, warmup=0, steps=1, seed=args.seed, lr=args.lr,
+        )
+        error = result.error
+        report.update(step_s=result.step_s, peak_gib=result.peak_gib, reserved_gib=result.reserved_gib)
+    except Exception as exc:  # noqa: BLE001 -- the parent needs a status, not a traceback
+        error = "OOM" if is_oom(exc) else f"{type(exc).__name__}: {exc}"
+    report["status"] = "ok" if error is None else ("oom" if error == "OOM" else "error")
+    if error is not None:
+        report["error"] = error[:2000]
+    print(RESULT_PREFIX + json.dumps(report), flush=True)
+    return 0 if error is None else (EXIT_OOM if error == "OOM" else 1)

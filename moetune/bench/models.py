@@ -1,0 +1,286 @@
+"""Building the two sides of a benchmark on the same config, weights and routing.
+
+- Transformers v5: ``transformers.AutoModelForCausalLM.from_config`` with sdpa attention and the
+  grouped_mm experts backend on CUDA (eager elsewhere); on several GPUs FSDP2 ``fully_shard`` on
+  every decoder layer and the root (the published v5 baseline, no expert parallelism).
+- moetune: ``moetune.AutoModelForCausalLM.from_config`` (``balanced_gate``, ``ep_size=world`` on
+  several GPUs).
+
+Both models have the same parameter names and shapes, so ``init_weights`` gives them identical
+weights without a copy: each parameter is filled from a generator seeded by (seed, name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch import nn
+
+from moetune.moe.routing import balanced_assignment
+
+SIDES = ("hf", "moetune")
+
+
+class SideUnavailable(RuntimeError):
+    """This checkout cannot build a side (e.g. expert parallelism is not there yet); the same on every rank."""
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "assets" / "configs"
+INIT_STD = 0.02
+
+
+def load_config(name_or_path: str, *, layers: int | None = None) -> tuple[str, transformers.PretrainedConfig]:
+    """A shipped config by name (``qwen3_30b_a3b``, ``tiny``), a config.json, or a folder holding one.
+
+    Returns (short name for result files, config with ``num_hidden_layers`` overridden by ``layers``).
+    """
+    path = Path(name_or_path)
+    shipped = CONFIGS_DIR / f"{name_or_path}.json"
+    if shipped.is_file():
+        path = shipped
+    elif path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
+        raise ValueError(f"--config {name_or_path!r}: neither a shipped config ({', '.join(known)}) nor a config.json")
+    data = json.loads(path.read_text())
+    model_type = data.pop("model_type", None)
+    if model_type != "qwen3_moe":
+        raise ValueError(f"moetune bench supports Qwen3-MoE configs (model_type 'qwen3_moe'), got {model_type!r}")
+    data.pop("architectures", None)
+    data.pop("transformers_version", None)
+    config = transformers.AutoConfig.for_model(model_type, **data)
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {layers}")
+        config.num_hidden_layers = layers
+        if hasattr(config, "max_window_layers"):
+            config.max_window_layers = min(config.max_window_layers, layers)
+    config.use_cache = False
+    name = path.stem if path.name != "config.json" else path.parent.name
+    return name.replace("_", "-"), config
+
+
+def _param_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _is_norm_weight(name: str, param: torch.Tensor) -> bool:
+    module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
+    return param.dim() == 1 and "norm" in module
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, *, seed: int, round_to: torch.dtype | None = None) -> None:
+    """Deterministic init: for each parameter in sorted name order, normal(0, 0.02) from a generator
+    seeded by (seed, name) (norm weights ones, other 1-D parameters zeros).
+
+    Values are drawn in fp32 on the parameter's device, optionally rounded through ``round_to``
+    (an fp32 reference built with ``round_to=torch.bfloat16`` holds exactly the bf16 model's
+    weights), then cast to the parameter's dtype. Sharded (DTensor) parameters receive their
+    local block of the full tensor, so sharded and unsharded models get the same weights.
+    """
+    for name, param in sorted(model.named_parameters()):
+        local = param.to_local() if hasattr(param, "to_local") else param
+        device = local.device
+        if _is_norm_weight(name, param):
+            full = torch.ones(param.shape, dtype=torch.float32, device=device)
+        elif param.dim() == 1:
+            full = torch.zeros(param.shape, dtype=torch.float32, device=device)
+        else:
+            generator = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
+            full = torch.empty(param.shape, dtype=torch.float32, device=device).normal_(0.0, INIT_STD, generator=generator)
+        if round_to is not None:
+            full = full.to(round_to).float()
+        full = full.to(param.dtype)
+        if local is param:
+            param.copy_(full)
+        else:
+            local.copy_(_local_block(full, param))
+        del full
+
+
+def _local_block(full: torch.Tensor, param: Any) -> torch.Tensor:
+    """This rank's block of a DTensor parameter, cut locally from the full tensor (every rank drew
+    the same values, so no communication is needed)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    try:
+        sharded = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    except TypeError:  # torch without src_data_rank: scatter from rank 0 (same values anyway)
+        sharded = distribute_tensor(full, param.device_mesh, param.placements)
+    return sharded.to_local()
+
+
+@contextlib.contextmanager
+def hf_balanced_gate(*, enabled: bool, top_k: int) -> Iterator[None]:
+    """Transformers' Qwen3-MoE router replaced by the balanced gate (slot j -> expert j mod E, weight
+    1/K) for the duration of the block, then restored. Router logits are still computed (as moetune's
+    balanced gate does) so the routers' cost is the same on both sides."""
+    if not enabled:
+        yield
+        return
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    router_cls = getattr(modeling_qwen3_moe, "Qwen3MoeTopKRouter", None)
+    if router_cls is None:
+        raise RuntimeError(
+            f"transformers {transformers.__version__} has no Qwen3MoeTopKRouter to patch for the balanced gate"
+        )
+    original = router_cls.forward
+
+    def balanced_forward(self, hidden_states: torch.Tensor):
+        num_experts, hidden = self.weight.shape
+        x_TH = hidden_states.reshape(-1, hidden)
+        logits_TE = F.linear(x_TH, self.weight)
+        weights_TK, experts_TK = balanced_assignment(
+            x_TH.shape[0], num_experts=num_experts, top_k=top_k, device=x_TH.device, dtype=logits_TE.dtype
+        )
+        return logits_TE, weights_TK, experts_TK
+
+    router_cls.forward = balanced_forward
+    try:
+        yield
+    finally:
+        router_cls.forward = original
+
+
+@dataclass
+class BenchModel:
+    """One side of the benchmark: a built model and how to switch its routing."""
+
+    side: str
+    model: nn.Module
+    config: transformers.PretrainedConfig
+    notes: dict[str, Any] = field(default_factory=dict)
+    """What was actually built (experts backend, sharding), recorded in the results."""
+    routing_context: Callable[[bool], contextlib.AbstractContextManager] = field(default=None)  # type: ignore[assignment]
+
+    def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The training loss exactly as a user's loop gets it: labels = input ids, ``out.loss``."""
+        return self.model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        if enabled:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif getattr(self.model, "is_gradient_checkpointing", False):
+            self.model.gradient_checkpointing_disable()
+
+
+def hf_experts_implementation(device: torch.device, dtype: torch.dtype) -> str:
+    """grouped_mm on CUDA in bf16 (the published v5 setting), eager elsewhere (no CPU grouped GEMM)."""
+    return "grouped_mm" if device.type == "cuda" and dtype == torch.bfloat16 else "eager"
+
+
+def build_hf(
+    config: transformers.PretrainedConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int,
+    world_size: int = 1,
+    experts_implementation: str | None = None,
+    round_to: torch.dtype | None = None,
+) -> BenchModel:
+    config = copy.deepcopy(config)
+    requested = experts_implementation or hf_experts_implementation(device, dtype)
+    config._experts_implementation = requested
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    init_weights(model, seed=seed, round_to=round_to)  # before sharding: plain tensors
+    notes: dict[str, Any] = {
+        "class": f"{type(model).__module__}.{type(model).__name__}",
+        "experts_implementation": getattr(model.config, "_experts_implementation", None),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "requested_experts_implementation": requested,
+    }
+    if world_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world_size,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        notes["sharding"] = f"FSDP2 fully_shard on every decoder layer and the root, {world_size} ranks, no EP"
+    model.train()
+    top_k = config.num_experts_per_tok
+    return BenchModel(
+        "hf", model, config, notes, routing_context=lambda balanced: hf_balanced_gate(enabled=balanced, top_k=top_k)
+    )
+
+
+def build_moetune(
+    config: transformers.PretrainedConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int,
+    world_size: int = 1,
+    balanced_gate: bool = False,
+    round_to: torch.dtype | None = None,
+) -> BenchModel:
+    import moetune
+    from moetune.models import set_moe_options
+
+    config = copy.deepcopy(config)
+    if world_size > 1:
+        _require_expert_parallelism()
+        model = moetune.AutoModelForCausalLM.from_config(
+            config, dtype=dtype, balanced_gate=balanced_gate, ep_size=world_size
+        )
+        notes = {"sharding": f"moetune expert parallelism ep_size={world_size} + FSDP2 (moetune.distributed)"}
+    else:
+        with torch.device(device):
+            model = moetune.AutoModelForCausalLM.from_config(config, dtype=dtype, balanced_gate=balanced_gate)
+        notes = {}
+    init_weights(model, seed=seed, round_to=round_to)
+    notes["class"] = f"{type(model).__module__}.{type(model).__name__}"
+    notes["experts_backend"] = _moetune_experts_backend(model, device, dtype)
+    model.train()
+
+    @contextlib.contextmanager
+    def routing(balanced: bool) -> Iterator[None]:
+        set_moe_options(model, balanced_gate=balanced)
+        yield
+
+    return BenchModel("moetune", model, config, notes, routing_context=routing)
+
+
+def build_side(side: str, config: transformers.PretrainedConfig, **kwargs: Any) -> BenchModel:
+    if side == "hf":
+        kwargs.pop("balanced_gate", None)
+        return build_hf(config, **kwargs)
+    if side == "moetune":
+        return build_moetune(config, **kwargs)
+    raise ValueError(f"unknown side {side!r} (expected one of {SIDES})")
+
+
+def _require_expert_parallelism() -> None:
+    try:
+        from moetune.distributed import parallelize_for_options  # noqa: F401
+    except ImportError as error:
+        raise SideUnavailable(
+            "moetune's expert parallelism (moetune.distributed.parallelize_for_options) is not available in this "
+            f"checkout ({error}); run the multi-GPU benchmark with --sides hf, or on one GPU"
+        ) from error
+
+
+def _moetune_experts_backend(model: nn.Module, device: torch.device, dtype: torch.dtype) -> str:
+    from moetune.moe import GroupedExperts
+    from moetune.moe.experts import grouped_mm_supported
+
+    backends = {m.backend for m in model.modules() if isinstance(m, GroupedExperts)}
+    if backends != {"auto"}:
+        return ",".join(sorted(backends))
+    probe = torch.empty(0, dtype=dtype, device=device)
+    return "auto (grouped_mm)" if grouped_mm_supported(probe) else "auto (loop)"

@@ -1,0 +1,115 @@
+"""Expert-parallel token dispatcher: permute -> all-to-all (uneven splits) -> sort by local expert,
+and the reverse for combine.
+
+Implements ``moetune.moe.TokenDispatcher``; ``MoEBlock`` and ``GroupedExperts`` are unchanged. A fused /
+overlapped dispatcher or a DeepEP backend replaces this class, nothing else.
+
+Host synchronisation: exactly one per MoE layer and step (forward), in ``dispatch``: the all-to-all
+of the rows needs its split sizes on the host (``_exchange_counts``). Combine and the backward
+reuse them. (The CPU / ``loop`` experts path adds its own sync for per-expert sizes.)
+
+Shape legend: T tokens on this rank, H hidden, K experts per token, N = T*K routed rows sent,
+M rows received, E experts in the model, L = E / ep experts on this rank, R = ep ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moetune.moe.dispatch import PermutationState, permute, unpermute
+from moetune.moe.routing import Routing
+
+
+class _AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` with uneven splits; the backward is the transposed all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_in = grad_out.new_empty((sum(ctx.input_splits), *grad_out.shape[1:]))
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def all_to_all(x: torch.Tensor, *, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Autograd-correct all-to-all of rows: send ``input_splits[r]`` rows to rank r, receive ``output_splits[r]``."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+@dataclass
+class ExpertParallelState:
+    local: PermutationState
+    """The rank-local permutation (by global expert) that ``unpermute`` undoes."""
+    sort_M: torch.Tensor
+    """Received row of each expert-sorted row."""
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+class ExpertParallelDispatcher:
+    """Tokens go to the rank holding their expert (rank r holds experts [r*L, (r+1)*L))."""
+
+    def __init__(self, *, group: dist.ProcessGroup, ep_size: int) -> None:
+        self.group = group
+        self.ep_size = ep_size
+
+    def dispatch(self, x_TH: torch.Tensor, routing: Routing, *, num_experts: int):
+        x_NH, counts_E, local = permute(x_TH, routing, num_experts=num_experts)
+        num_local = num_experts // self.ep_size
+        recv_counts_RL, send_splits, recv_splits = self._exchange_counts(counts_E, num_local)
+        x_MH = all_to_all(x_NH, output_splits=recv_splits, input_splits=send_splits, group=self.group)
+        # Received rows are grouped by (source rank, local expert); the experts want them by local expert.
+        local_expert_RL = torch.arange(num_local, device=x_MH.device).expand(self.ep_size, num_local)
+        expert_M = torch.repeat_interleave(
+            local_expert_RL.reshape(-1), recv_counts_RL.reshape(-1), output_size=x_MH.shape[0]
+        )
+        sort_M = torch.argsort(expert_M, stable=True)
+        counts_L = recv_counts_RL.sum(dim=0)
+        x_sorted_MH = _ScaleGrad.apply(x_MH.index_select(0, sort_M), float(self.ep_size))
+        return x_sorted_MH, counts_L, ExpertParallelState(local, sort_M, send_splits, recv_splits)
+
+    def combine(self, y_MH: torch.Tensor, state: ExpertParallelState) -> torch.Tensor:
+        # Expert gradients: the experts' FSDP2 group (dp_shard_mod_ep) averages over world / ep ranks,
+        # but each rank's expert gradient already sums the tokens of ep ranks; scaling the gradient
+        # entering the experts by 1 / ep (and the one leaving them by ep, in dispatch) makes the expert
+        # weights' gradients the world average like every other parameter's, while the activations'
+        # gradients are unchanged. (Exact for power-of-two ep.) This avoids FSDP2's custom divide
+        # factor, which gloo's sum-only reductions apply twice on a one-rank group.
+        y_MH = _ScaleGrad.apply(y_MH, 1.0 / self.ep_size)
+        y_received_MH = torch.empty_like(y_MH).index_copy(0, state.sort_M, y_MH)
+        y_NH = all_to_all(y_received_MH, output_splits=state.send_splits, input_splits=state.recv_splits, group=self.group)
+        return unpermute(y_NH, state.local)
+
+    def _exchange_counts(self, counts_E: torch.Tensor, num_local: int) -> tuple[torch.Tensor, list[int], list[int]]:
+        """Every rank learns how many rows each rank sends to each of its local experts; then the one
+        host sync of the layer fetches the send / receive split sizes together."""
+        send_counts_RL = counts_E.view(self.ep_size, num_local)
+        recv_counts_RL = torch.empty_like(send_counts_RL)
+        dist.all_to_all_single(recv_counts_RL, send_counts_RL.contiguous(), group=self.group)
+        splits = torch.stack([send_counts_RL.sum(dim=1), recv_counts_RL.sum(dim=1)]).tolist()  # host sync
+        return recv_counts_RL, splits[0], splits[1]
+
+    def __repr__(self) -> str:
+        return f"ExpertParallelDispatcher(ep_size={self.ep_size})"

@@ -1,0 +1,78 @@
+"""Gradient-norm clipping over parameters that live on different meshes.
+
+``torch.nn.utils.clip_grad_norm_`` stacks the per-parameter norms, which fails (or double counts)
+when expert weights are DTensors over the 2-D (dp_shard_mod_ep, ep) mesh and the rest over the
+1-D dp_shard mesh. Here each gradient contributes the p-th power of the norm of its *local*
+shard, summed per (mesh, sharded dims) group and reduced over exactly the mesh dimensions on
+which it is sharded (replicated dimensions must not count twice); the groups then add up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def _groups(grads: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        if isinstance(grad, DTensor):
+            shard_dims = tuple(i for i, p in enumerate(grad.placements) if p.is_shard() or type(p).__name__ == "_StridedShard")
+            partial = any(p.is_partial() for p in grad.placements)
+            if partial:
+                raise ValueError("clip_grad_norm_ got a gradient with a Partial placement (not yet reduced)")
+            mesh = grad.device_mesh
+            # Keyed by the ranks, not the object: FSDP2 builds one mesh object per expert parameter.
+            groups[(tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), shard_dims)].append(grad)
+        else:
+            groups[(None, None, ())].append(grad)
+    return groups
+
+
+@torch.no_grad()
+def total_grad_norm(parameters: Iterable[torch.Tensor] | nn.Module, *, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients together, as a plain (replicated) tensor on every rank."""
+    params = parameters.parameters() if isinstance(parameters, nn.Module) else parameters
+    grads = [p.grad for p in params if p.grad is not None]
+    norm_type = float(norm_type)
+    is_inf = math.isinf(norm_type)
+    total = None
+    for (_, ranks, shard_dims), group in _groups(grads).items():
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in group]
+        device = locals_[0].device
+        norms = torch.stack([torch.linalg.vector_norm(t.float(), norm_type) for t in locals_])
+        value = norms.max() if is_inf else norms.pow(norm_type).sum()
+        if ranks is not None:
+            mesh = group[0].device_mesh
+            for dim in shard_dims:
+                op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+                dist.all_reduce(value, op=op, group=mesh.get_group(dim))
+        value = value.to(device)
+        total = value if total is None else (torch.maximum(total, value) if is_inf else total + value)
+    if total is None:
+        return torch.zeros(())
+    return total if is_inf else total.pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | nn.Module, max_norm: float, *, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Scale all gradients so their joint norm is at most ``max_norm``; returns the norm before clipping.
+
+    Works for plain tensors, FSDP2 shards and expert-parallel shards mixed in one model (every rank
+    must call it)."""
+    params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+    total = total_grad_norm(params, norm_type=norm_type)
+    scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            grad.mul_(scale.to(grad.device, grad.dtype))
+    return total

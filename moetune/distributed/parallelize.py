@@ -1,0 +1,183 @@
+"""``parallelize(model, mesh, config)``: expert parallelism, activation checkpointing, compile, then
+FSDP2, applied in that order to a moetune model built on the meta device (TorchTitan's
+``parallelize_llama``). ``parallelize_for_options`` is what ``from_pretrained`` / ``from_config``
+call: checks, mesh, ``parallelize``, allocation on this rank's device, optional init.
+
+Placements (mesh dims in moetune/distributed/mesh.py):
+- expert weights [E, X, Y]: ``Shard(0)`` over ``ep`` (rank holds E/ep experts), then FSDP2 over
+  ``dp_shard_mod_ep`` (``Shard(0)`` of the local experts, or ``Shard(1)`` when there are fewer local
+  experts than ranks to shard them over);
+- every other parameter: FSDP2 ``Shard(0)`` over ``dp_shard`` (all ranks).
+
+Gradients are averaged over all ``world`` ranks for every parameter (as DDP / FSDP do). The experts'
+FSDP2 group has only world / ep ranks but their gradients already sum the tokens of ep ranks; the
+dispatcher scales the gradient entering the experts by 1 / ep to compensate (see dispatcher.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from moetune.distributed.dispatcher import ExpertParallelDispatcher
+from moetune.distributed.mesh import ParallelMesh, build_mesh, rank_device, require_process_group
+from moetune.moe import GroupedExperts, MoEBlock
+
+
+@dataclass
+class ParallelConfig:
+    reshard_after_forward: bool = True
+    """FSDP2: free gathered parameters after each layer's forward (regathered in backward)."""
+    param_dtype: torch.dtype | None = None
+    """FSDP2 compute dtype of gathered parameters; None keeps the parameters' dtype (bf16 when loaded
+    with ``dtype=torch.bfloat16``, the published setting). torch.bfloat16 with fp32 parameters gives
+    bf16 compute over fp32 master weights."""
+    reduce_dtype: torch.dtype | None = torch.float32
+    """Dtype of the gradient reduce-scatter (fp32: exact sums of bf16 gradients); None: the compute dtype."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer in backward (non-reentrant; routing is recomputed identically)."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer (graph breaks at the dispatcher's collectives)."""
+
+
+def moe_blocks(model: nn.Module) -> list[MoEBlock]:
+    return [m for m in model.modules() if isinstance(m, MoEBlock)]
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: children of every ``layers`` ModuleList (Transformers' naming)."""
+    return [
+        layer
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"
+        for layer in module
+    ]
+
+
+def num_experts_of(model: nn.Module) -> int:
+    counts = {block.num_experts for block in moe_blocks(model)}
+    if len(counts) > 1:
+        raise ValueError(f"MoE layers with different numbers of experts {sorted(counts)} are not supported")
+    return counts.pop() if counts else 0
+
+
+def check_unsharded(model: nn.Module) -> None:
+    if any(isinstance(m, FSDPModule) for m in model.modules()) or any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("the model is already sharded (FSDP2 / expert parallel); it cannot be parallelized again")
+    if any(type(m).__name__ in ("DistributedDataParallel", "FullyShardedDataParallel") for m in model.modules()):
+        raise ValueError("the model is wrapped in DDP / FSDP; moetune shards it itself from ep_size / device_mesh")
+
+
+def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> nn.Module:
+    """EP -> activation checkpointing -> compile -> FSDP2, in place; parameters stay on the meta device."""
+    check_unsharded(model)
+    if mesh.ep_size > 1:
+        apply_expert_parallel(model, mesh)
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if config.compile:
+        for layer in decoder_layers(model):
+            layer.compile()
+    apply_fsdp(model, mesh, config)
+    return model
+
+
+def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
+    """Experts' 3-D weights become DTensors ``Shard(0)`` over ``ep``; each MoE block gets the all-to-all dispatcher."""
+    ep_mesh, ep_size = mesh.ep, mesh.ep_size
+    dispatcher = ExpertParallelDispatcher(group=ep_mesh.get_group(), ep_size=ep_size)
+    for block in moe_blocks(model):
+        experts = block.experts
+        if not isinstance(experts, GroupedExperts):
+            raise ValueError(f"expert parallelism needs moetune's GroupedExperts, got {type(experts).__name__}")
+        for name, param in list(experts.named_parameters(recurse=False)):
+            assert param.shape[0] == block.num_experts, (name, tuple(param.shape))
+            local = torch.empty(
+                (param.shape[0] // ep_size, *param.shape[1:]), dtype=param.dtype, device=param.device
+            )
+            sharded = DTensor.from_local(
+                local, ep_mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
+            )
+            experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        block.dispatcher = dispatcher
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Transformers' per-layer checkpointing (parameter names unchanged), non-reentrant so it composes
+    with FSDP2's hooks and the dispatcher's collectives, which are re-run in the same order on every rank."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = decoder_layers(model)
+    if not all(hasattr(layer, "gradient_checkpointing") for layer in layers):
+        raise ValueError("activation checkpointing needs Transformers' GradientCheckpointingLayer decoder layers")
+    for layer in layers:
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+
+
+def apply_fsdp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> None:
+    mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    common = {"mp_policy": mp_policy, "reshard_after_forward": config.reshard_after_forward}
+    experts_mesh = mesh.dp_shard_mod_ep
+    for block in moe_blocks(model):
+        num_local = block.num_experts // mesh.ep_size
+        # Shard(1) when Shard(0) would leave ranks without an expert (TorchTitan's rule).
+        dim = 0 if num_local % experts_mesh.size() == 0 else 1
+        fully_shard(block.experts, mesh=experts_mesh, shard_placement_fn=lambda _p, d=dim: Shard(d), **common)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh.world, **common)
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    # The LM head stays in the root group: the fused loss reads its weight without calling the module.
+    if embeddings is not None and not _tied(model, embeddings):
+        fully_shard(embeddings, mesh=mesh.world, **common)
+    fully_shard(model, mesh=mesh.world, **common)
+    if mesh.device_type == "cpu":
+        # gloo has neither ReduceOp.AVG nor PREMUL_SUM: sum in the collective, divide locally.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def _tied(model: nn.Module, embeddings: nn.Module) -> bool:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return head is not None and head.weight is embeddings.weight
+
+
+def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) -> nn.Module:
+    """From ``MoetuneOptions`` (``ep_size`` / ``device_mesh``): validate, shard, allocate on this rank's
+    device, rebuild RoPE buffers, and initialise the weights if ``init_weights`` (``from_config``)."""
+    require_process_group()
+    device = rank_device()
+    check_unsharded(model)
+    if any(p.device.type != "meta" for p in model.parameters()):
+        raise ValueError("parallelize_for_options expects a model built on the meta device")
+    mesh = build_mesh(
+        ep_size=options.ep_size, device_mesh=options.device_mesh, num_experts=num_experts_of(model), device=device
+    )
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    config = ParallelConfig(
+        reshard_after_forward=options.reshard_after_forward,
+        param_dtype=getattr(options, "param_dtype", None),
+        reduce_dtype=getattr(options, "reduce_dtype", torch.float32),
+        activation_checkpointing=bool(getattr(options, "activation_checkpointing", False)),
+        compile=bool(getattr(options, "compile", False)),
+    )
+    parallelize(model, mesh, config)
+    allocate(model, device, init_weights=init_weights)
+    model.parallel_mesh = mesh
+    return model
+
+
+def allocate(model: nn.Module, device: torch.device, *, init_weights: bool) -> None:
+    from moetune.auto import materialize  # deferred: moetune.auto imports this module lazily too
+
+    materialize(model, device)
+    if init_weights:
+        with torch.no_grad():
+            model.init_weights()

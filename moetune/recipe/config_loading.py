@@ -1,0 +1,204 @@
+"""Turn YAML files and dotted CLI overrides into a validated ``JobConfig``.
+
+Precedence: command line > YAML > dataclass defaults. Every value is checked against the
+field's type annotation; an unknown key fails with the closest valid key.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import textwrap
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moetune.recipe.config import JobConfig, validate
+
+_TRUE = {"true", "yes", "on", "1"}
+_FALSE = {"false", "no", "off", "0"}
+
+
+def load_config(*, yaml_path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Defaults, then the YAML file, then ``overrides`` (``["--optim.lr", "1e-5", ...]`` or
+    ``["optim.lr=1e-5"]``), validated."""
+    values: dict[str, tuple[Any, str]] = {}
+    if yaml_path is not None:
+        values.update(_flatten(_read_yaml(Path(yaml_path)), source=str(yaml_path)))
+    values.update(parse_overrides(overrides or []))
+    return validate(build(JobConfig, values))
+
+
+def parse_overrides(args: list[str]) -> dict[str, tuple[str, str]]:
+    """``--a.b 1 --c.d=2 e.f=3`` -> {"a.b": ("1", "command line"), ...}."""
+    out: dict[str, tuple[str, str]] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        key = arg[2:] if arg.startswith("--") else arg
+        if "=" in key:
+            key, value = key.split("=", 1)
+        elif arg.startswith("--") and i + 1 < len(args):
+            i += 1
+            value = args[i]
+        else:
+            raise ValueError(f"command line: {arg!r} needs a value (--section.field VALUE)")
+        out[key.replace("-", "_")] = (value, "command line")
+        i += 1
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file {path} is not valid YAML: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: the top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def _flatten(data: dict[str, Any], *, source: str, prefix: str = "") -> dict[str, tuple[Any, str]]:
+    out: dict[str, tuple[Any, str]] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, source=source, prefix=f"{dotted}."))
+        else:
+            out[dotted] = (value, source)
+    return out
+
+
+def all_keys(cls: type = JobConfig, prefix: str = "") -> list[str]:
+    """Every settable dotted key of ``cls``, e.g. ``optim.lr``."""
+    keys = []
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            keys += all_keys(hint, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def build(cls: type, values: dict[str, tuple[Any, str]], prefix: str = "") -> Any:
+    """Instantiate dataclass ``cls`` from flat dotted ``values`` (key -> (value, source))."""
+    if not prefix:
+        valid = set(all_keys(cls))
+        for key, (_, source) in values.items():
+            if key not in valid:
+                close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"unknown config key {key!r} (from {source}){hint}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            kwargs[f.name] = build(hints[f.name], values, f"{dotted}.")
+        elif dotted in values:
+            value, source = values[dotted]
+            kwargs[f.name] = coerce(value, hints[f.name], name=dotted, source=source)
+    return cls(**kwargs)
+
+
+def coerce(value: Any, hint: Any, *, name: str, source: str) -> Any:
+    """Convert ``value`` (from YAML or a CLI string) to type ``hint`` or raise ValueError."""
+
+    def fail(expected: str) -> typing.NoReturn:
+        raise ValueError(f"config field {name}: expected {expected}, got {value!r} (from {source})")
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and (value is None or str(value).lower() in ("null", "none", "~")):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        assert len(inner) == 1, f"unsupported union in schema: {hint}"
+        return coerce(value, inner[0], name=name, source=source)
+    if origin in (list, tuple):
+        if isinstance(value, str):
+            parsed = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            value = parsed if isinstance(parsed, list) else fail("a list")
+        if not isinstance(value, (list, tuple)):
+            fail("a list")
+        item_types = args if origin is tuple and Ellipsis not in args else (args[0],) * len(value)
+        if len(item_types) != len(value):
+            fail(f"{len(item_types)} values")
+        items = [coerce(v, t, name=name, source=source) for v, t in zip(value, item_types)]
+        return tuple(items) if origin is tuple else items
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        if str(value).lower() in _TRUE | _FALSE:
+            return str(value).lower() in _TRUE
+        fail("true or false")
+    if hint is int:
+        if isinstance(value, bool):
+            fail("an integer")
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            fail("an integer")
+        if not as_float.is_integer():
+            fail("an integer")
+        return int(as_float)
+    if hint is float:
+        if isinstance(value, bool):
+            fail("a number")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            fail("a number")
+    if hint is str:
+        if isinstance(value, (dict, list)):
+            fail("a string")
+        return str(value)
+    raise AssertionError(f"unsupported type in schema: {hint}")
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass ``cls`` (attribute docstrings, read from source)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe(cls: type = JobConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every field, for ``--help``."""
+    rows = []
+    hints, docs = typing.get_type_hints(cls), field_docs(cls)
+    defaults = cls()
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += describe(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            rows.append((f"{prefix}{f.name}", repr(getattr(defaults, f.name)), docs.get(f.name, "")))
+    return rows
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Nested plain dict (tuples as lists), suitable for YAML/JSON."""
+    def plain(v: Any) -> Any:
+        return [plain(x) for x in v] if isinstance(v, (list, tuple)) else v
+    return {k: (to_dict(v) if dataclasses.is_dataclass(v) else plain(v))
+            for k, v in dataclasses.asdict(config).items()} if not isinstance(config, dict) else config
+
+
+def save_config(config: JobConfig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))

@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny configs, Transformers reference models saved in both checkpoint layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def tiny_qwen3_moe_config(**overrides) -> transformers.Qwen3MoeConfig:
+    settings = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        norm_topk_prob=True,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
+    settings.update(overrides)
+    return transformers.Qwen3MoeConfig(**settings)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (0 when both are 0)."""
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / denom if denom > 0 else (a - b).norm().item()
+
+
+def save_per_expert_checkpoint(model: torch.nn.Module, folder: Path, *, max_tensors_per_shard: int | None = None) -> Path:
+    """Write ``model`` the way Hub checkpoints store MoE experts (one tensor per expert and
+    projection), independently of moetune's writer; optionally sharded with an index."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name[: -len("gate_up_proj")]
+            for e, block in enumerate(tensor):
+                gate, up = block.chunk(2, dim=0)
+                tensors[f"{prefix}{e}.gate_proj.weight"] = gate.clone()
+                tensors[f"{prefix}{e}.up_proj.weight"] = up.clone()
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e, block in enumerate(tensor):
+                tensors[f"{prefix}{e}.down_proj.weight"] = block.clone()
+        else:
+            tensors[name] = tensor.clone()
+    if getattr(model.config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    names = sorted(tensors)
+    if max_tensors_per_shard is None:
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        chunks = [names[i : i + max_tensors_per_shard] for i in range(0, len(names), max_tensors_per_shard)]
+        weight_map = {}
+        for i, chunk in enumerate(chunks):
+            file = f"model-{i + 1:05d}-of-{len(chunks):05d}.safetensors"
+            save_file({k: tensors[k] for k in chunk}, str(folder / file), metadata={"format": "pt"})
+            weight_map.update({k: file for k in chunk})
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    model.config.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def reference_qwen3_moe():
+    """A Transformers Qwen3-MoE with random (seeded) weights, fp32, in train mode."""
+
+    def build(**overrides):
+        torch.manual_seed(0)
+        model = transformers.Qwen3MoeForCausalLM(tiny_qwen3_moe_config(**overrides))
+        # Transformers initialises the router to zeros-then-normal; make routing decisive anyway.
+        return model
+
+    return build

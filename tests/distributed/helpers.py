@@ -1,0 +1,105 @@
+"""Spawning gloo process groups on the CPU, and the single-process reference they are checked against.
+
+The global loss of one step is defined as (sum of the token losses of all ranks' micro-batches) /
+(number of valid target tokens over all ranks), which is what one process computes on the
+concatenated batch. Each rank passes ``num_items_in_batch = global_count / world`` so its loss is
+``world x (its share of the global loss)``; FSDP2 averages gradients over the ``world`` ranks, so the
+gradients equal those of the global loss exactly (no assumption of equal token counts per rank).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SEQ = 10
+MICRO_BATCH = 2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; re-raises a worker's failure."""
+    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def micro_batch(step: int, rank: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s micro-batch of ``step`` (ids, labels); a few labels are ignored (-100), a
+    different number per rank, so token counts differ between ranks."""
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    ids = torch.randint(0, vocab, (MICRO_BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    labels[0, : rank + step % 3] = -100
+    return ids, labels
+
+
+def valid_targets(labels: torch.Tensor) -> int:
+    return int((labels[:, 1:] != -100).sum())
+
+
+def global_batch(step: int, world_size: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [micro_batch(step, r, vocab) for r in range(world_size)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def distributed_loss(model, step: int, rank: int, world_size: int, vocab: int) -> torch.Tensor:
+    """This rank's loss term (see the module docstring); returns it (the global loss is its rank mean)."""
+    ids, labels = micro_batch(step, rank, vocab)
+    count = sum(valid_targets(micro_batch(step, r, vocab)[1]) for r in range(world_size))
+    return model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(count / world_size)).loss
+
+
+def global_loss_value(loss: torch.Tensor, world_size: int) -> float:
+    value = loss.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / world_size
+
+
+def reference_loss(model, step: int, world_size: int, vocab: int) -> torch.Tensor:
+    ids, labels = global_batch(step, world_size, vocab)
+    return model(input_ids=ids, labels=labels).loss
+
+
+def gathered(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.norm().item()
+    return (a - b).norm().item() / denom if denom > 0 else (a - b).norm().item()
+
+
+def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors

@@ -1,0 +1,181 @@
+"""Bodies of the spawned distributed tests (module level, so ``torch.multiprocessing.spawn`` can pickle them).
+
+Every rank also builds the single-process reference (the tiny model is cheap) from the same
+checkpoint and trains it on the concatenation of all ranks' micro-batches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+import moetune
+from moetune.distributed import (
+    clip_grad_norm_,
+    load_distributed_checkpoint,
+    save_distributed_checkpoint,
+)
+from moetune.moe import MoEBlock
+from tests.distributed.helpers import (
+    distributed_loss,
+    gathered,
+    global_loss_value,
+    read_safetensors,
+    reference_loss,
+    rel_err,
+)
+
+TOL = 1e-5
+SGD_STEPS = 3
+LR = 0.5  # large, so that wrong gradients show up in the next steps' losses
+# Adam's first update is about lr * g / (|g| + eps): for gradient entries near zero (a sum of
+# contributions that cancel) the fp32 summation order of the reduction decides it; eps 1e-6
+# instead of 1e-8 keeps that ill-conditioned regime out of a 1e-5 comparison.
+ADAM_EPS = 1e-6
+
+
+def _load(folder: str, **kwargs):
+    model = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    model.train()
+    return model
+
+
+def _check_layout(model, world_size: int, ep: int) -> None:
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    assert blocks, "no MoE layers"
+    for block in blocks:
+        weight = block.experts.gate_up_proj
+        assert isinstance(weight, DTensor)
+        assert weight.to_local().shape[0] * (world_size // ep) * ep >= block.num_experts
+        assert type(block.dispatcher).__name__ == ("ExpertParallelDispatcher" if ep > 1 else "LocalTokenDispatcher")
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor), f"{name} is not sharded"
+
+
+def _compare_grads(model, ref, *, what: str) -> None:
+    ref_params = dict(ref.named_parameters())
+    for name, param in model.named_parameters():
+        assert param.grad is not None, f"{what}: no gradient for {name}"
+        err = rel_err(gathered(param.grad), ref_params[name].grad)
+        assert err < TOL, f"{what}: gradient of {name} differs by {err:.2e}"
+
+
+def _compare_params(model, ref, *, what: str) -> None:
+    ref_params = dict(ref.named_parameters())
+    for name, param in model.named_parameters():
+        got = gathered(param.data)
+        err = rel_err(got, ref_params[name].data)
+        if err >= TOL:
+            d = (got - ref_params[name].data).abs()
+            i = d.argmax()
+            print("DEBUG", name, d.max().item(), got.flatten()[i].item(), ref_params[name].data.flatten()[i].item(), (d > 1e-6).sum().item(), d.numel())
+        assert err < TOL, f"{what}: {name} differs by {err:.2e}"
+
+
+def _step_pair(model, ref, opt, ref_opt, step: int, rank: int, world_size: int, vocab: int, *, what: str) -> float:
+    loss = distributed_loss(model, step, rank, world_size, vocab)
+    loss.backward()
+    expected = reference_loss(ref, step, world_size, vocab)
+    expected.backward()
+    got = global_loss_value(loss, world_size)
+    assert abs(got - expected.item()) <= TOL * abs(expected.item()), f"{what}: loss {got} vs {expected.item()}"
+    _compare_grads(model, ref, what=what)
+    opt.step()
+    ref_opt.step()
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    return got
+
+
+def train_parity(rank: int, world_size: int, folder: str, ep: int, out: str, check_save: bool) -> None:
+    """``SGD_STEPS`` SGD steps (with clipping) and one AdamW step: losses, gradients and parameters
+    equal the single-process run; an EP save equals the single-process save."""
+    vocab = 64
+    model = _load(folder, ep_size=ep) if ep > 1 or world_size == 1 else _load(folder, device_mesh=_mesh(world_size, 1))
+    ref = _load(folder)
+    _check_layout(model, world_size, ep)
+    if check_save:
+        _check_save_equal(model, ref, Path(out) / f"ep{ep}", rank)
+
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    losses = []
+    for step in range(SGD_STEPS):
+        loss = distributed_loss(model, step, rank, world_size, vocab)
+        loss.backward()
+        expected = reference_loss(ref, step, world_size, vocab)
+        expected.backward()
+        got = global_loss_value(loss, world_size)
+        assert abs(got - expected.item()) <= TOL * abs(expected.item()), f"ep={ep} step {step}: loss {got} vs {expected.item()}"
+        _compare_grads(model, ref, what=f"ep={ep} step {step}")
+        norm = clip_grad_norm_(model, 0.5)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        assert rel_err(norm, ref_norm) < TOL, f"ep={ep} step {step}: grad norm {norm.item()} vs {ref_norm.item()}"
+        _compare_grads(model, ref, what=f"ep={ep} step {step} (clipped)")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        losses.append(got)
+    _compare_params(model, ref, what=f"ep={ep} after {SGD_STEPS} SGD steps")
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, eps=ADAM_EPS)
+    _step_pair(model, ref, opt, ref_opt, SGD_STEPS, rank, world_size, vocab, what=f"ep={ep} AdamW")
+    _compare_params(model, ref, what=f"ep={ep} after AdamW")
+    assert losses[-1] < losses[0], f"ep={ep}: the loss does not go down: {losses}"
+
+
+def _mesh(dp: int, ep: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moetune.distributed import MESH_DIM_NAMES
+
+    return init_device_mesh("cpu", (dp, ep), mesh_dim_names=MESH_DIM_NAMES)
+
+
+def _check_save_equal(model, ref, folder: Path, rank: int) -> None:
+    """``save_pretrained`` on every rank writes the same Hugging Face checkpoint as one process."""
+    model.save_pretrained(folder / "ep", is_main_process=rank == 0)
+    if rank == 0:
+        ref.save_pretrained(folder / "single")
+        got, expected = read_safetensors(folder / "ep"), read_safetensors(folder / "single")
+        assert sorted(got) == sorted(expected), set(got) ^ set(expected)
+        for key, tensor in expected.items():
+            assert torch.equal(got[key], tensor), f"saved {key} differs"
+        assert (folder / "ep" / "config.json").read_text() == (folder / "single" / "config.json").read_text()
+    dist.barrier()
+
+
+def dcp_resume(rank: int, world_size: int, folder: str, ep: int, out: str) -> None:
+    """Save model + AdamW state with DCP after two steps, load them into a freshly loaded model and
+    optimizer: the next step's loss and parameters equal those of the run that kept going."""
+    vocab = 64
+    model = _load(folder, ep_size=ep)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        distributed_loss(model, step, rank, world_size, vocab).backward()
+        clip_grad_norm_(model, 1.0)
+        opt.step()
+        opt.zero_grad()
+    path = Path(out) / "dcp"
+    save_distributed_checkpoint(model, opt, path)
+    loss = distributed_loss(model, 2, rank, world_size, vocab)
+    loss.backward()
+    opt.step()
+    next_loss = global_loss_value(loss, world_size)
+    after = {n: gathered(p.data).clone() for n, p in model.named_parameters()}
+
+    resumed = _load(folder, ep_size=ep)
+    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    load_distributed_checkpoint(resumed, resumed_opt, path)
+    loss = distributed_loss(resumed, 2, rank, world_size, vocab)
+    loss.backward()
+    resumed_opt.step()
+    got = global_loss_value(loss, world_size)
+    assert got == next_loss, f"resumed loss {got} vs {next_loss}"
+    for name, param in resumed.named_parameters():
+        assert torch.equal(gathered(param.data), after[name]), f"{name} differs after the resumed step"

@@ -1,0 +1,86 @@
+"""Expert adapters on expert-parallel weights: 2 gloo ranks on CPU, each holding E/2 experts."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+_WORLD = 2
+_E, _H, _I, _R, _SCALING = 4, 8, 4, 2, 0.5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=_WORLD)
+    try:
+        _check_rank(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_rank(rank: int) -> None:
+    from moetune.lora.experts import add_expert_adapters, lora_a_name, lora_b_name, merge_expert_adapters
+    from moetune.lora.peft_export import peft_adapter_state_dict
+    from moetune.moe import GroupedExperts
+
+    mesh = init_device_mesh("cpu", (_WORLD,), mesh_dim_names=("ep",))
+    generator = torch.Generator().manual_seed(0)  # same global values on both ranks
+    full = {name: torch.randn(shape, generator=generator) for name, shape in
+            (("gate_up_proj", (_E, 2 * _I, _H)), ("down_proj", (_E, _H, _I)))}
+    experts = GroupedExperts(num_experts=_E, hidden_size=_H, intermediate_size=_I, backend="loop")
+    for name, value in full.items():
+        setattr(experts, name, nn.Parameter(distribute_tensor(value, mesh, [Shard(0)]), requires_grad=False))
+
+    add_expert_adapters(experts, ("gate_up_proj", "down_proj"), rank=_R, scaling=_SCALING, dtype=torch.float32)
+    adapters = {}
+    with torch.no_grad():
+        for name in full:
+            for adapter_name in (lora_a_name(name), lora_b_name(name)):
+                param = experts._parameters[adapter_name]
+                assert isinstance(param, DTensor) and param.placements == (Shard(0),)
+                assert param.to_local().shape[0] == _E // _WORLD
+                adapters[adapter_name] = torch.randn(param.shape, generator=generator)
+                param.copy_(distribute_tensor(adapters[adapter_name], mesh, [Shard(0)]))
+
+    # This rank's experts see their own W_e + s * B_e @ A_e.
+    counts = torch.tensor([3, 2])
+    x_NH = torch.randn(int(counts.sum()), _H, generator=torch.Generator().manual_seed(1 + rank))
+    out = experts(x_NH, counts)
+    reference = GroupedExperts(num_experts=_E // _WORLD, hidden_size=_H, intermediate_size=_I, backend="loop")
+    local = slice(rank * _E // _WORLD, (rank + 1) * _E // _WORLD)
+    with torch.no_grad():
+        for name, value in full.items():
+            delta = _SCALING * adapters[lora_b_name(name)][local] @ adapters[lora_a_name(name)][local]
+            getattr(reference, name).copy_(value[local] + delta)
+    expected = reference(x_NH, counts)
+    torch.testing.assert_close(out, expected)
+
+    out.square().sum().backward()
+    assert all(experts._parameters[lora_a_name(n)].grad is not None for n in full)
+
+    exported = peft_adapter_state_dict(experts)  # gathers all experts (collective)
+    torch.testing.assert_close(exported["base_model.model.lora_A.weight"],
+                               adapters["lora_A_down_proj"].reshape(_E * _R, _I))
+
+    merge_expert_adapters(experts)  # folds each rank's delta into its own shard
+    assert type(experts) is GroupedExperts and isinstance(experts.down_proj, DTensor)
+    torch.testing.assert_close(experts(x_NH, counts), expected)
+
+
+@pytest.mark.distributed
+def test_expert_adapters_follow_expert_parallel_sharding():
+    mp.spawn(_worker, args=(_free_port(),), nprocs=_WORLD, join=True)

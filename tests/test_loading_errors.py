@@ -1,0 +1,102 @@
+"""Bad input fails early with an error that names the path or tensor."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import moetune
+from moetune import auto
+from tests.conftest import save_per_expert_checkpoint
+
+
+@pytest.fixture
+def checkpoint(reference_qwen3_moe, tmp_path):
+    return save_per_expert_checkpoint(reference_qwen3_moe(), tmp_path / "ckpt")
+
+
+def _edit(folder, fn):
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    fn(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def _never_allocate(monkeypatch):
+    def fail(*_args, **_kwargs):
+        raise AssertionError("the model was allocated before the checkpoint was validated")
+
+    monkeypatch.setattr(auto, "materialize", fail)
+
+
+def test_missing_folder():
+    with pytest.raises(FileNotFoundError, match="/definitely/not/here"):
+        moetune.AutoModelForCausalLM.from_pretrained("/definitely/not/here")
+
+
+def test_missing_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        moetune.AutoModelForCausalLM.from_pretrained(tmp_path / "empty")
+
+
+def test_unknown_architecture(tmp_path):
+    folder = tmp_path / "weird"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "not-a-real-arch"}))
+    with pytest.raises(ValueError, match="neither moetune nor Transformers"):
+        moetune.AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_missing_tensor(checkpoint, monkeypatch):
+    _edit(checkpoint, lambda t: t.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
+    _never_allocate(monkeypatch)
+    with pytest.raises(ValueError, match=r"missing tensors \(1\): model.layers.2.mlp.experts.5.up_proj.weight"):
+        moetune.AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_unexpected_tensor(checkpoint, monkeypatch):
+    _edit(checkpoint, lambda t: t.update({"model.layers.0.mlp.bogus.weight": torch.zeros(2)}))
+    _never_allocate(monkeypatch)
+    with pytest.raises(ValueError, match="unexpected tensors .*model.layers.0.mlp.bogus.weight"):
+        moetune.AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_misshaped_tensor(checkpoint, monkeypatch):
+    _edit(checkpoint, lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 32)}))
+    _never_allocate(monkeypatch)
+    with pytest.raises(ValueError, match=r"mis-shaped tensors .*model.layers.0.self_attn.q_proj.weight \[3, 32\]"):
+        moetune.AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_pickle_only_checkpoint_is_refused(checkpoint):
+    (checkpoint / "model.safetensors").rename(checkpoint / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="never unpickles"):
+        moetune.AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_index_naming_a_missing_shard(reference_qwen3_moe, tmp_path):
+    folder = save_per_expert_checkpoint(reference_qwen3_moe(), tmp_path / "s", max_tensors_per_shard=10)
+    next(folder.glob("model-00002-*.safetensors")).unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002"):
+        moetune.AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_unknown_keyword(checkpoint):
+    with pytest.raises(TypeError, match="not_an_option"):
+        moetune.AutoModelForCausalLM.from_pretrained(checkpoint, not_an_option=3)
+
+
+def test_bad_dtype_and_device_map(checkpoint):
+    with pytest.raises(ValueError, match="dtype 'float99'"):
+        moetune.AutoModelForCausalLM.from_pretrained(checkpoint, dtype="float99")
+    with pytest.raises(ValueError, match="one device"):
+        moetune.AutoModelForCausalLM.from_pretrained(checkpoint, device_map={"model.embed_tokens": 0, "lm_head": "cpu"})
+
+
+def test_bad_experts_backend(checkpoint):
+    with pytest.raises(ValueError, match="experts_backend"):
+        moetune.AutoModelForCausalLM.from_pretrained(checkpoint, experts_backend="magic")
