@@ -1,20 +1,8 @@
 """Export moetune adapters as a PEFT LoRA adapter for the plain Transformers v5 model.
 
-Writes `adapter_config.json` + `adapter_model.safetensors` exactly as `peft` 0.17+ writes them,
-so `PeftModel.from_pretrained(transformers_model, out_dir)` loads them. The mapping
-(E experts, R rank, O/I out/in features of the expert weight):
-
-- Linear `X`:        `base_model.model.X.lora_A.weight` = A [R, I], `...lora_B.weight` = B [O, R]
-                     (`target_modules`).
-- Expert weight `P` of module `M` (`target_parameters`, PEFT's ParamWrapper): PEFT stores one
-  nn.Linear pair per weight, lora_A.weight [E*R, I] with row e*R + r, and lora_B.weight [O, R*E]
-  with column r*E + e (see ParamWrapper.get_delta_weight: A.reshape(E, R, I),
-  B.reshape(O, R, E)). PEFT nests one wrapper per targeted weight in the module's parameter
-  order, the first innermost, so the key of the k-th of n weights is
-  `M.` + `base_layer.` * (n - 1 - k) + `lora_A.weight`: for Qwen3-MoE
-  `mlp.experts.base_layer.lora_A.weight` is gate_up_proj's and `mlp.experts.lora_A.weight` is
-  down_proj's.
-Scaling is lora_alpha / r in both (no rsLoRA).
+Writes `adapter_config.json` + `adapter_model.safetensors` as `peft` writes them, so
+`PeftModel.from_pretrained(transformers_model, out_dir)` loads them; key names and layouts are in
+peft_format.py. Scaling is lora_alpha / r on both sides (no rsLoRA).
 """
 
 from __future__ import annotations
@@ -25,40 +13,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from moetune.lora.apply import SETTINGS_ATTR
-from moetune.lora.experts import adapted_params, is_lora_experts, lora_a_name, lora_b_name
-from moetune.lora.linear import LORA_A, LORA_B, is_lora_linear
+from moetune.lora.experts import adapted_params, is_lora_experts
+from moetune.lora.peft_format import peft_entries, to_peft
 from moetune.lora.settings import LoraSettings
-
-_PREFIX = "base_model.model."
-
 
 def peft_adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters under PEFT's serialized names and layouts (contiguous, on CPU)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for name, module in model.named_modules():
-        prefix = f"{_PREFIX}{name}." if name else _PREFIX
-        if is_lora_linear(module):
-            tensors[prefix + "lora_A.weight"] = _full(getattr(module, LORA_A).detach())
-            tensors[prefix + "lora_B.weight"] = _full(getattr(module, LORA_B).detach())
-        elif is_lora_experts(module):
-            params = adapted_params(module)
-            for index, pname in enumerate(params):
-                key = prefix + "base_layer." * (len(params) - 1 - index)
-                lora_A_ERI = _full(module._parameters[lora_a_name(pname)].detach())
-                lora_B_EOR = _full(module._parameters[lora_b_name(pname)].detach())
-                num_experts, rank, in_features = lora_A_ERI.shape
-                tensors[key + "lora_A.weight"] = lora_A_ERI.reshape(num_experts * rank, in_features)
-                # [E, O, R] -> [O, R, E] -> [O, R*E]: PEFT's column r*E + e.
-                tensors[key + "lora_B.weight"] = lora_B_EOR.permute(1, 2, 0).reshape(lora_B_EOR.shape[1], -1)
-    return {key: t.to("cpu").contiguous() for key, t in tensors.items()}
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    # Expert-parallel adapters are DTensors: gather every expert (a collective: call on all ranks).
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return {entry.key: to_peft(entry) for entry in peft_entries(model)}
 
 
 def _target_parameters(model: nn.Module) -> list[str]:
