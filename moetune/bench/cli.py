@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -131,6 +132,7 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
         "versions": versions(),
         "commit": commit(),
         "command": " ".join(sys.argv),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("PYTORCH_CUDA_ALLOC", "CUDA_VISIBLE", "NCCL_", "TORCH_"))},
         "config": {
             "name": args.config,
             "layers": config.num_hidden_layers,
@@ -151,19 +153,24 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
     }
 
 
-def _write(args: argparse.Namespace, env: RunEnv, data: dict[str, Any], *, suffix: str = "", chart: bool = False) -> None:
+def _write(
+    args: argparse.Namespace, env: RunEnv, data: dict[str, Any], *, suffix: str = "", chart: bool = False, quiet: bool = False
+) -> None:
+    """Write the JSON (and the chart); called again as results come in, so a run killed by a
+    time limit still leaves what it measured."""
     if not env.is_main:
         return
-    stamp = data.pop("_stamp")
+    stamp = data["_stamp"]
     stem = result_stem(model=f"{data['model']}-{data['config']['layers']}l{suffix}", hardware=data["hardware"], date=stamp)
     json_path, png_path = resolve_out(args.out, stem)
-    write_json(data, json_path)
-    print(f"wrote {json_path}", flush=True)
+    write_json({k: v for k, v in data.items() if k != "_stamp"}, json_path)
+    if not quiet:
+        print(f"wrote {json_path}", flush=True)
     if chart and not args.no_chart:
         if write_chart(data, png_path):
             print(f"wrote {png_path}", flush=True)
         else:
-            print("matplotlib is not installed: no chart", flush=True)
+            print("no chart (matplotlib is not installed, or no setting ran)", flush=True)
 
 
 def _bench(args: argparse.Namespace, env: RunEnv, sides: list[str]) -> int:
@@ -176,53 +183,19 @@ def _bench(args: argparse.Namespace, env: RunEnv, sides: list[str]) -> int:
     if args.steps < 10 or args.warmup < 3:
         _log(env, f"note: {args.warmup} warm-up / {args.steps} measured steps (the brief's minimum is 3 / 10)")
     data = _record(args, env, model=model, config=config, kind="parity" if args.parity_only else "bench")
-    data["matmul_peak_tflops"] = peak = matmul_peak_tflops(env.device)
+    data["matmul_peak_tflops"] = matmul_peak_tflops(env.device)
     _log(env, format_header(data))
 
     parity_ok = True
     if args.parity or args.parity_only:
-        if env.distributed:
-            raise SystemExit("--parity runs in one process (one GPU); drop it under torchrun")
-        _, parity_config = load_config(args.config, layers=args.parity_layers)
-        _log(env, f"parity check: {args.parity_layers} layers, seq {args.parity_seq_len}, {args.parity_routing} routing ...")
-        started = time.perf_counter()
-        data["parity"] = parity = _run_parity(parity_config, args, env)
-        parity_ok = parity["passed"]
-        _log(env, f"{format_parity(parity)} ({time.perf_counter() - started:.0f} s)")
+        parity_ok = _parity(args, env, data)
     if args.parity_only:
         _write(args, env, data, suffix="-parity")
         return 0 if parity_ok else 1
 
-    flops = {args.seq_len: data["flops_per_token"]}
-    results: list[RowResult] = []
-    data["built"] = {}
+    data["built"], results = {}, []
     for side in sides:
-        started = time.perf_counter()
-        try:
-            bench = build_side(
-                side, config, device=env.device, dtype=torch.bfloat16, seed=args.seed, world_size=env.world_size,
-                balanced_gate=rows[0].routing == "balanced",
-            )
-        except Exception as error:  # noqa: BLE001 -- report the side as failed and keep the other one
-            if env.distributed and not isinstance(error, SideUnavailable):
-                raise
-            message = "OOM" if is_oom(error) else f"{type(error).__name__}: {error}"
-            _log(env, f"[{side}] cannot build: {message}")
-            results += [RowResult(side, row, error=f"build failed: {message}") for row in rows]
-            _free(env)
-            continue
-        data["built"][side] = {**bench.notes, "build_s": round(time.perf_counter() - started, 1)}
-        _log(env, f"[{side}] built in {time.perf_counter() - started:.1f} s: {bench.notes}")
-        side_results = run_rows(
-            bench, rows, env=env, flops_per_token=flops, peak_tflops=peak, warmup=args.warmup,
-            steps=args.steps, seed=args.seed, lr=args.lr,
-        )
-        for result in side_results:
-            _log(env, f"[{side}] {_row_line(result)}")
-        results += side_results
-        del bench
-        _free(env)
-
+        _bench_side(side, config, rows, args=args, env=env, data=data, results=results)
     data["rows"] = [r.to_json() for r in results]
     data["comparison"] = comparisons(data["rows"])
     if env.is_main:
@@ -231,12 +204,58 @@ def _bench(args: argparse.Namespace, env: RunEnv, sides: list[str]) -> int:
     return 0 if parity_ok and not any(r.error for r in results) else 1
 
 
-def _run_parity(parity_config, args: argparse.Namespace, env: RunEnv) -> dict[str, Any]:
+def _parity(args: argparse.Namespace, env: RunEnv, data: dict[str, Any]) -> bool:
     from moetune.bench.parity import run_parity
 
-    return run_parity(
+    if env.distributed:
+        raise SystemExit("--parity runs in one process (one GPU); drop it under torchrun")
+    _, parity_config = load_config(args.config, layers=args.parity_layers)
+    _log(env, f"parity check: {args.parity_layers} layers, seq {args.parity_seq_len}, {args.parity_routing} routing ...")
+    started = time.perf_counter()
+    data["parity"] = parity = run_parity(
         parity_config, env=env, seed=args.seed, seq_len=args.parity_seq_len, routing=args.parity_routing
     )
+    _log(env, f"{format_parity(parity)} ({time.perf_counter() - started:.0f} s)")
+    if not args.parity_only:
+        _write(args, env, data, quiet=True)
+    return parity["passed"]
+
+
+def _bench_side(
+    side: str, config, rows: list[Row], *, args: argparse.Namespace, env: RunEnv, data: dict[str, Any], results: list[RowResult]
+) -> None:
+    """Build one side once, time every row on it, append to ``results`` (the JSON is rewritten after
+    each row), free it."""
+    started = time.perf_counter()
+    try:
+        bench = build_side(
+            side, config, device=env.device, dtype=torch.bfloat16, seed=args.seed, world_size=env.world_size,
+            balanced_gate=rows[0].routing == "balanced",
+        )
+    except Exception as error:  # noqa: BLE001 -- report the side as failed and keep the other one
+        if env.distributed and not isinstance(error, SideUnavailable):
+            raise
+        message = "OOM" if is_oom(error) else f"{type(error).__name__}: {error}"
+        _log(env, f"[{side}] cannot build: {message}")
+        results += [RowResult(side, row, error=f"build failed: {message}") for row in rows]
+        _free(env)
+        return
+    data["built"][side] = {**bench.notes, "build_s": round(time.perf_counter() - started, 1)}
+    _log(env, f"[{side}] built in {time.perf_counter() - started:.1f} s: {bench.notes}")
+
+    def on_result(result: RowResult) -> None:
+        results.append(result)
+        _log(env, f"[{side}] {_row_line(result)}")
+        data["rows"] = [r.to_json() for r in results]
+        _write(args, env, data, quiet=True)
+
+    run_rows(
+        bench, rows, env=env, flops_per_token={args.seq_len: data["flops_per_token"]},
+        peak_tflops=data["matmul_peak_tflops"], warmup=args.warmup, steps=args.steps, seed=args.seed, lr=args.lr,
+        on_result=on_result,
+    )
+    del bench
+    _free(env)
 
 
 def _row_line(result: RowResult) -> str:

@@ -109,6 +109,21 @@ def init_weights(model: nn.Module, *, seed: int, round_to: torch.dtype | None = 
         del full
 
 
+@torch.no_grad()
+def sharded_weights_match(model: nn.Module, *, seed: int) -> bool:
+    """Whether every sharded (DTensor) parameter gathers back to exactly what ``init_weights`` drew
+    (a check of ``_local_block`` on placements such as FSDP2-over-EP's ``_StridedShard``)."""
+    for name, param in sorted(model.named_parameters()):
+        if not hasattr(param, "full_tensor") or _is_norm_weight(name, param) or param.dim() == 1:
+            continue
+        device = param.to_local().device
+        generator = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
+        full = torch.empty(param.shape, dtype=torch.float32, device=device).normal_(0.0, INIT_STD, generator=generator)
+        if not torch.equal(param.full_tensor(), full.to(param.dtype)):
+            return False
+    return True
+
+
 def _local_block(full: torch.Tensor, param: Any) -> torch.Tensor:
     """This rank's block of a DTensor parameter, cut locally from the full tensor (every rank drew
     the same values, so no communication is needed)."""
@@ -164,16 +179,29 @@ class BenchModel:
     notes: dict[str, Any] = field(default_factory=dict)
     """What was actually built (experts backend, sharding), recorded in the results."""
     routing_context: Callable[[bool], contextlib.AbstractContextManager] = field(default=None)  # type: ignore[assignment]
+    """``routing_context(balanced)``: the block runs with the balanced gate (True) or real routing."""
+    activation_checkpointing: bool = False
 
     def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The training loss exactly as a user's loop gets it: labels = input ids, ``out.loss``."""
         return self.model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
+        """Transformers' per-decoder-layer checkpointing (non-reentrant), the same call on both sides.
+        Transformers 5.24 renamed ``gradient_checkpointing_*`` to ``activation_checkpointing_*``."""
+        model = self.model
+        if enabled == self.activation_checkpointing:
+            return
         if enabled:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        elif getattr(self.model, "is_gradient_checkpointing", False):
-            self.model.gradient_checkpointing_disable()
+            enable = getattr(model, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+            disable()
+        self.activation_checkpointing = enabled
 
 
 def hf_experts_implementation(device: torch.device, dtype: torch.dtype) -> str:
@@ -244,6 +272,8 @@ def build_moetune(
             model = moetune.AutoModelForCausalLM.from_config(config, dtype=dtype, balanced_gate=balanced_gate)
         notes = {}
     init_weights(model, seed=seed, round_to=round_to)
+    if world_size > 1:
+        notes["sharded_weights_match"] = sharded_weights_match(model, seed=seed)
     notes["class"] = f"{type(model).__module__}.{type(model).__name__}"
     notes["experts_backend"] = _moetune_experts_backend(model, device, dtype)
     model.train()

@@ -26,7 +26,10 @@ def child_command(*, side: str, seq_len: int, common_args: list[str]) -> list[st
 def try_length(*, side: str, seq_len: int, common_args: list[str], timeout: float) -> dict[str, Any]:
     """Run one child; its status is 'ok', 'oom', 'timeout' or 'error'."""
     command = child_command(side=side, seq_len=seq_len, common_args=common_args)
-    env = {**os.environ, "WORLD_SIZE": "1"}
+    # A fresh process: one rank, and moetune importable even when it is not installed (repo checkout).
+    repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    python_path = os.pathsep.join(p for p in (repo_root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "WORLD_SIZE": "1", "PYTHONPATH": python_path}
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:

@@ -101,7 +101,8 @@ def format_parity(parity: dict[str, Any] | None) -> str:
 
 
 def write_chart(data: dict[str, Any], path: Path) -> bool:
-    """Grouped bars of tokens/s/GPU and peak GiB per setting; False if matplotlib is missing."""
+    """Grouped bars of tokens/s/GPU and peak GiB per setting; False if matplotlib is missing or
+    no setting ran."""
     try:
         import matplotlib
 
@@ -110,12 +111,17 @@ def write_chart(data: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     rows = [r for r in data["rows"] if not r.get("error")]
+    if not rows:
+        return False
     labels = list(dict.fromkeys(r["label"] for r in rows))
     sides = [s for s in ("hf", "moetune") if any(r["side"] == s for r in rows)]
     value = {(r["label"], r["side"]): r for r in rows}
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(labels) + 4), 4.5))
+    panels = [("tokens_per_s_per_gpu", "tokens/s/GPU")]
+    if any(r.get("peak_gib") is not None for r in rows):  # no allocator statistics off CUDA
+        panels.append(("peak_gib", "peak GiB"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(len(panels) * max(4, 1.1 * len(labels) + 2), 4.5), squeeze=False)
     width = 0.8 / max(len(sides), 1)
-    for ax, key, title in ((axes[0], "tokens_per_s_per_gpu", "tokens/s/GPU"), (axes[1], "peak_gib", "peak GiB")):
+    for ax, (key, title) in zip(axes[0], panels):
         for i, side in enumerate(sides):
             xs = [j + (i - (len(sides) - 1) / 2) * width for j in range(len(labels))]
             ys = [(value.get((label, side)) or {}).get(key) or 0.0 for label in labels]

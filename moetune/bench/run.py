@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -95,9 +96,11 @@ def run_rows(
     steps: int,
     seed: int,
     lr: float,
+    on_result: Callable[[RowResult], None] | None = None,
 ) -> list[RowResult]:
     """Time every row on one built model with one optimizer (its states persist across rows, as in
-    a real run; both sides run the same rows in the same order, so they see the same history)."""
+    a real run; both sides run the same rows in the same order, so they see the same history).
+    ``on_result`` sees each row as soon as it is measured."""
     optimizer = make_optimizer(bench.model, lr=lr, device=env.device)
     results = []
     for row in rows:
@@ -114,6 +117,8 @@ def run_rows(
             _fill_rates(result, flops_per_token[row.seq_len], peak_tflops, row, env)
         bench.set_activation_checkpointing(False)
         results.append(result)
+        if on_result is not None:
+            on_result(result)
     del optimizer
     _free(env.device)
     return results

@@ -126,9 +126,9 @@ def _check_user_mesh(mesh: object, *, world_size: int, device: torch.device) -> 
     if not isinstance(mesh, DeviceMesh):
         raise ValueError(f"device_mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     expected = (
-        f"a 2-D mesh with mesh_dim_names={MESH_DIM_NAMES} and sizes (world_size // ep, ep) = "
-        f"(... , ...) covering all {world_size} ranks, e.g. init_device_mesh('{device.type}', "
-        f"({world_size // 2 if world_size > 1 else 1}, {min(2, world_size)}), mesh_dim_names={MESH_DIM_NAMES})"
+        f"a 2-D mesh with mesh_dim_names={MESH_DIM_NAMES} and sizes (world_size // ep, ep) covering all "
+        f"{world_size} ranks, e.g. init_device_mesh({device.type!r}, ({world_size // min(2, world_size)}, "
+        f"{min(2, world_size)}), mesh_dim_names={MESH_DIM_NAMES}) for ep={min(2, world_size)}"
     )
     if tuple(mesh.mesh_dim_names or ()) != MESH_DIM_NAMES:
         raise ValueError(f"device_mesh has dims {mesh.mesh_dim_names} of sizes {tuple(mesh.mesh.shape)}; expected {expected}")

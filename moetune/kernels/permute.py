@@ -182,7 +182,8 @@ class MoECombineFunction(torch.autograd.Function):
     def forward(ctx, y_NH, weights_TK, order_N, backend: str):
         top_k = weights_TK.shape[1]
         sum_rows = _sum_rows_triton if backend == "triton" else _sum_rows_torch
-        out_TH = sum_rows(y_NH, inverse_order(order_N), top_k, weights=weights_TK.reshape(-1))
+        # The kernels index the weights by routed slot: a dense [T * K] vector.
+        out_TH = sum_rows(y_NH, inverse_order(order_N), top_k, weights=weights_TK.reshape(-1).contiguous())
         ctx.save_for_backward(y_NH, weights_TK, order_N)
         ctx.backend = backend
         return out_TH
@@ -193,7 +194,8 @@ class MoECombineFunction(torch.autograd.Function):
         gather = _gather_rows_triton if ctx.backend == "triton" else _gather_rows_torch
         need_dw = ctx.needs_input_grad[1]
         dy_NH, dw_N = gather(
-            dout_TH, order_N, weights_TK.shape[1], weights=weights_TK.reshape(-1), y_for_dot=y_NH if need_dw else None
+            dout_TH, order_N, weights_TK.shape[1], weights=weights_TK.reshape(-1).contiguous(),
+            y_for_dot=y_NH if need_dw else None,
         )
         dw_TK = dw_N.view_as(weights_TK).to(weights_TK.dtype) if need_dw else None
         return dy_NH.to(y_NH.dtype), dw_TK, None, None
@@ -215,7 +217,7 @@ def moe_permute(x_TH: torch.Tensor, order_N: torch.Tensor, top_k: int, *, impl: 
     if x_TH.dim() != 2:
         raise ValueError(f"x_TH must be [T, H], got {tuple(x_TH.shape)}")
     if use_triton(impl, x_TH, order_N):
-        return MoEPermuteFunction.apply(x_TH, order_N, top_k, "triton")
+        return MoEPermuteFunction.apply(x_TH, order_N.contiguous(), top_k, "triton")
     return moe_permute_reference(x_TH, order_N, top_k)
 
 
@@ -233,5 +235,5 @@ def moe_combine(
     if y_NH.shape[0] != order_N.numel():
         raise ValueError(f"y_NH has {y_NH.shape[0]} rows but there are {order_N.numel()} routed slots")
     if use_triton(impl, y_NH, weights_TK, order_N):
-        return MoECombineFunction.apply(y_NH, weights_TK, order_N, "triton")
+        return MoECombineFunction.apply(y_NH, weights_TK, order_N.contiguous(), "triton")
     return moe_combine_reference(y_NH, weights_TK, order_N)

@@ -177,6 +177,10 @@ def apply_rope(
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or sin.shape != cos.shape:
         raise ValueError(f"expected 4-D q, k and 3-D cos, sin of one shape, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")  # fmt: skip
+    seq_dim = 3 - unsqueeze_dim  # 2 for [B, H, S, D], 1 for [B, S, H, D]
+    if k.shape[0] != q.shape[0] or k.shape[seq_dim] != q.shape[seq_dim] or cos.shape[1] != q.shape[seq_dim]:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and cos {tuple(cos.shape)} disagree on batch or "
+                         f"sequence length (unsqueeze_dim={unsqueeze_dim})")  # fmt: skip
     if q.shape[-1] % 2 or k.shape[-1] != q.shape[-1] or cos.shape[-1] != q.shape[-1]:
         raise ValueError(f"head_dim must be even and equal in q, k, cos: {q.shape[-1]}, {k.shape[-1]}, {cos.shape[-1]}")
     differentiable_cos = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from moetune.kernels.cross_entropy import cross_entropy_grad_
+
 IGNORE_INDEX = -100
 
 
@@ -35,25 +37,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, h_TH.shape[0], chunk_rows):
             h_CH = h_TH[start : start + chunk_rows]
             targets_C = targets_T[start : start + chunk_rows]
-            logits_CV = (h_CH @ w_VH.t()).to(acc_dtype)
-            valid_C = targets_C != ignore_index
-            safe_targets_C = targets_C.masked_fill(~valid_C, 0)
-            lse_C = torch.logsumexp(logits_CV, dim=-1)
-            target_logit_C = logits_CV.gather(1, safe_targets_C.unsqueeze(1)).squeeze(1)
-            loss_sum += ((lse_C - target_logit_C) * valid_C).sum()
+            # Logits in the model dtype, as Transformers' lm_head makes them; the kernel upcasts
+            # inside and overwrites them with d(loss)/d(logits).
+            logits_CV = h_CH @ w_VH.t()
+            loss_sum += cross_entropy_grad_(logits_CV, targets_C, normalizer, ignore_index=ignore_index).sum()
             if not (needs_h or needs_w):
                 continue
-            # d(sum of token losses)/d(logits) = softmax - one_hot, zero on ignored rows; reuse the buffer.
-            grad_logits_CV = logits_CV.sub_(lse_C.unsqueeze(1)).exp_()
-            grad_logits_CV.scatter_add_(1, safe_targets_C.unsqueeze(1), torch.full_like(lse_C, -1.0).unsqueeze(1))
-            grad_logits_CV.mul_((valid_C.to(acc_dtype) / normalizer).unsqueeze(1))
             # Both GEMMs run in the model dtype (tensor cores for bf16); the head's gradient is
             # accumulated over chunks in fp32.
-            grad_logits_CV = grad_logits_CV.to(w_VH.dtype)
             if needs_h:
-                grad_h_TH[start : start + chunk_rows] = grad_logits_CV @ w_VH
+                grad_h_TH[start : start + chunk_rows] = logits_CV @ w_VH
             if needs_w:
-                grad_w_VH += grad_logits_CV.t() @ h_CH
+                grad_w_VH += logits_CV.t() @ h_CH
         ctx.save_for_backward(grad_h_TH, grad_w_VH.to(w_VH.dtype) if needs_w else None)
         return loss_sum / normalizer
 
@@ -89,6 +84,6 @@ def linear_cross_entropy(
     else:
         normalizer = torch.tensor(float(num_items_in_batch), device=hidden_TH.device, dtype=acc_dtype)
     if chunk_rows is None:
-        # About 256 MiB of fp32 logits per chunk.
-        chunk_rows = max(1, (1 << 26) // weight_VH.shape[0])
+        # About 512 MiB of logits per chunk (a few chunks per 4k-token micro-batch on GPU).
+        chunk_rows = max(1, (1 << 29) // (weight_VH.shape[0] * weight_VH.element_size()))
     return _LinearCrossEntropy.apply(hidden_TH, weight_VH, targets_T, normalizer, chunk_rows, ignore_index)

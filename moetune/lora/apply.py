@@ -13,8 +13,24 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from moetune.lora.experts import add_expert_adapters, is_lora_experts, merge_expert_adapters
-from moetune.lora.linear import add_linear_adapter, is_lora_linear, merge_linear_adapter
+from moetune.lora.experts import (
+    adapted_params,
+    add_expert_adapters,
+    is_lora_experts,
+    lora_a_name,
+    lora_b_name,
+    merge_expert_adapters,
+    remove_expert_adapters,
+)
+from moetune.lora.init import reset_adapter_
+from moetune.lora.linear import (
+    LORA_A,
+    LORA_B,
+    add_linear_adapter,
+    is_lora_linear,
+    merge_linear_adapter,
+    remove_linear_adapter,
+)
 from moetune.lora.settings import LoraSettings
 
 # 3-D expert weights in Transformers v5 naming (gated experts, ungated experts such as Nemotron-H's).
@@ -50,7 +66,7 @@ def find_expert_targets(model: nn.Module) -> dict[str, tuple[str, ...]]:
     """Modules holding 3-D expert weights -> those weights' names, in registration order.
 
     Registration order matters: PEFT nests one wrapper per targeted parameter in this order, and
-    the exported key names follow the nesting (see peft_export.py).
+    the exported key names follow the nesting (see peft_format.py).
     """
     found: dict[str, tuple[str, ...]] = {}
     for name, module in model.named_modules():
@@ -86,6 +102,17 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     return model
 
 
+def reset_lora_parameters(model: nn.Module) -> None:
+    """Re-initialise every adapter (A uniform, B zero): for a model that `apply_lora` saw on the meta
+    device and that was materialised afterwards (`to_empty` leaves the adapters uninitialised)."""
+    for module in model.modules():
+        if is_lora_linear(module):
+            reset_adapter_(getattr(module, LORA_A), getattr(module, LORA_B))
+        elif is_lora_experts(module):
+            for name in adapted_params(module):
+                reset_adapter_(module._parameters[lora_a_name(name)], module._parameters[lora_b_name(name)])
+
+
 def is_lora_param_name(name: str) -> bool:
     return name.rpartition(".")[2].startswith("lora_")
 
@@ -105,13 +132,22 @@ def merge_lora(model: nn.Module) -> nn.Module:
     The result is a plain model: `model.save_pretrained(dir)` writes a full checkpoint that plain
     Transformers loads.
     """
+    return _drop_adapters(model, merge=True, caller="merge_lora")
+
+
+def remove_lora(model: nn.Module) -> nn.Module:
+    """Remove every adapter without merging it (the base model again, all parameters trainable)."""
+    return _drop_adapters(model, merge=False, caller="remove_lora")
+
+
+def _drop_adapters(model: nn.Module, *, merge: bool, caller: str) -> nn.Module:
     if getattr(model, SETTINGS_ATTR, None) is None:
-        raise ValueError("merge_lora: the model has no LoRA adapters (apply_lora first)")
+        raise ValueError(f"{caller}: the model has no LoRA adapters (apply_lora first)")
     for module in list(model.modules()):
         if is_lora_linear(module):
-            merge_linear_adapter(module)
+            (merge_linear_adapter if merge else remove_linear_adapter)(module)
         elif is_lora_experts(module):
-            merge_expert_adapters(module)
+            (merge_expert_adapters if merge else remove_expert_adapters)(module)
     for param in model.parameters():
         param.requires_grad_(True)
     delattr(model, SETTINGS_ATTR)

@@ -20,11 +20,12 @@ adapted weight is materialised once per forward (and kept for backward), like PE
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from moetune.lora.init import reset_adapter_
 
 _SCALING = "lora_scaling"
 _TARGETS = "_moetune_lora_targets"
@@ -70,11 +71,12 @@ def add_expert_adapters(
         num_experts = weight.shape[0]  # global E for a DTensor
         out_features, in_features = (weight.shape[2], weight.shape[1]) if transposed else weight.shape[1:]
         lora_A_ERI = torch.empty(num_experts, rank, in_features, device=weight.device, dtype=dtype)
-        # kaiming-uniform per expert (fan_in = in_features), as PEFT's Linear(in, R*E) init does.
-        nn.init.kaiming_uniform_(lora_A_ERI.view(num_experts * rank, in_features), a=math.sqrt(5))
-        lora_B_EOR = torch.zeros(num_experts, out_features, rank, device=weight.device, dtype=dtype)
-        module.register_parameter(lora_a_name(name), nn.Parameter(_shard_like(lora_A_ERI, weight, name)))
-        module.register_parameter(lora_b_name(name), nn.Parameter(_shard_like(lora_B_EOR, weight, name)))
+        lora_B_EOR = torch.empty(num_experts, out_features, rank, device=weight.device, dtype=dtype)
+        lora_A_ERI = nn.Parameter(_shard_like(lora_A_ERI, weight, name))
+        lora_B_EOR = nn.Parameter(_shard_like(lora_B_EOR, weight, name))
+        reset_adapter_(lora_A_ERI, lora_B_EOR)
+        module.register_parameter(lora_a_name(name), lora_A_ERI)
+        module.register_parameter(lora_b_name(name), lora_B_EOR)
     setattr(module, _SCALING, scaling)
     setattr(module, _TARGETS, tuple(param_names))
     module.__class__ = _lora_class(type(module), tuple(param_names))
@@ -89,7 +91,6 @@ def _shard_like(adapter: torch.Tensor, weight: torch.Tensor, name: str) -> torch
             f"LoRA on expert weight {name!r} placed {weight.placements}: only sharding on the expert dim "
             "(expert parallelism) or replication is supported; apply_lora before FSDP2 / tensor parallelism"
         )
-    # distribute_tensor scatters rank 0's values, so replicas agree whatever each rank's RNG state.
     return distribute_tensor(adapter, weight.device_mesh, weight.placements)
 
 

@@ -8,12 +8,12 @@ Computing the low-rank path on activations (not W + s B A) avoids the full-size 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from moetune.lora.init import reset_adapter_
 
 # Attribute names set on an adapted Linear; `lora_` is the prefix that marks adapter parameters.
 LORA_A = "lora_A"
@@ -39,23 +39,25 @@ def add_linear_adapter(
     out_features, in_features = module.weight.shape
     device = module.weight.device
     lora_A_RI = nn.Parameter(torch.empty(rank, in_features, device=device, dtype=dtype))
-    # PEFT's default init (nn.Linear's): kaiming-uniform A, zero B.
-    nn.init.kaiming_uniform_(lora_A_RI, a=math.sqrt(5))
-    lora_B_OR = nn.Parameter(torch.zeros(out_features, rank, device=device, dtype=dtype))
+    lora_B_OR = nn.Parameter(torch.empty(out_features, rank, device=device, dtype=dtype))
+    reset_adapter_(lora_A_RI, lora_B_OR)
     module.register_parameter(LORA_A, lora_A_RI)
     module.register_parameter(LORA_B, lora_B_OR)
     setattr(module, _SCALING, scaling)
     # Identity when dropout is 0 so the hook has one code path and no RNG use; a new module starts
     # in training mode, so follow the Linear's mode (apply_lora may be called after model.eval()).
     setattr(module, _DROPOUT, (nn.Dropout(dropout) if dropout > 0 else nn.Identity()).train(module.training))
-    setattr(module, _HOOK, module.register_forward_hook(_lora_linear_hook))
+    setattr(module, _HOOK, module.register_forward_hook(_lora_linear_hook, with_kwargs=True))
 
 
-def _lora_linear_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-    x = args[0]
-    lora_A, lora_B = getattr(module, LORA_A), getattr(module, LORA_B)
-    h = F.linear(getattr(module, _DROPOUT)(x).to(lora_A.dtype), lora_A)
-    return output + (F.linear(h, lora_B) * getattr(module, _SCALING)).to(output.dtype)
+def _lora_linear_hook(module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> torch.Tensor:
+    x = args[0] if args else kwargs["input"]
+    # Compute in the activations' dtype (casting the small adapters, not x): the backward then saves
+    # the x the base matmul already keeps instead of an fp32 copy per adapted Linear. Gradients still
+    # reach the adapters in their own (fp32) dtype through the casts.
+    lora_A, lora_B = getattr(module, LORA_A).to(x.dtype), getattr(module, LORA_B).to(x.dtype)
+    h = F.linear(getattr(module, _DROPOUT)(x), lora_A)
+    return output + F.linear(h, lora_B) * getattr(module, _SCALING)
 
 
 def linear_delta(module: nn.Module) -> torch.Tensor:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 
@@ -19,13 +21,18 @@ from moetune.lora.experts import adapted_params, is_lora_experts
 from moetune.lora.peft_format import peft_entries, to_peft
 from moetune.lora.settings import LoraSettings
 
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+
 def peft_adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters under PEFT's serialized names and layouts (contiguous, on CPU)."""
     return {entry.key: to_peft(entry) for entry in peft_entries(model)}
 
 
-def _target_parameters(model: nn.Module) -> list[str]:
-    # `experts.gate_up_proj`: PEFT matches target_parameters as dotted suffixes of parameter names.
+def peft_target_parameters(model: nn.Module) -> list[str]:
+    """PEFT `target_parameters` for the adapted expert weights (`experts.gate_up_proj`, ...);
+    PEFT matches them as dotted suffixes of parameter names."""
     targets = []
     for name, module in model.named_modules():
         if is_lora_experts(module):
@@ -34,12 +41,12 @@ def _target_parameters(model: nn.Module) -> list[str]:
     return targets
 
 
-def _peft_lora_config(model: nn.Module, settings: LoraSettings, base_model_name_or_path: str | None):
+def _peft_lora_config(model: nn.Module, settings: LoraSettings, base_model_name_or_path: str | None) -> LoraConfig:
     try:
         from peft import LoraConfig
     except ImportError as err:  # peft is an optional dependency (extras "recipe" / "test")
         raise ImportError("export_peft_adapter needs the `peft` package: pip install peft") from err
-    target_parameters = _target_parameters(model)
+    target_parameters = peft_target_parameters(model)
     return LoraConfig(
         r=settings.rank,
         lora_alpha=settings.alpha,
@@ -53,7 +60,7 @@ def _peft_lora_config(model: nn.Module, settings: LoraSettings, base_model_name_
     )
 
 
-def _check_peft_keeps_targets(model: nn.Module, config) -> None:
+def _check_peft_keeps_targets(model: nn.Module, config: LoraConfig) -> None:
     """PEFT on Transformers v5 rewrites v4 expert names in target_modules (`gate_proj`, `up_proj`,
     `down_proj`, `w1`..`w3`, `gate`) into expert target_parameters for MoE model types whose
     checkpoints it converts (Qwen3-MoE, DeepSeek-V3, Mixtral, ...). An adapter on a dense MLP or a
@@ -77,7 +84,8 @@ def export_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_nam
     """Write the adapters of `model` (after `apply_lora`) as a PEFT adapter directory; returns it.
 
     `base_model_name_or_path` is recorded in adapter_config.json (PEFT's field of that name) so
-    `AutoPeftModelForCausalLM.from_pretrained(out_dir)` knows which base model to load.
+    `AutoPeftModelForCausalLM.from_pretrained(out_dir)` knows which base model to load. With expert
+    parallelism call it on every rank (the experts' adapters are gathered); rank 0 writes.
     """
     settings = getattr(model, SETTINGS_ATTR, None)
     if settings is None:
@@ -85,8 +93,11 @@ def export_peft_adapter(model: nn.Module, out_dir: str | Path, *, base_model_nam
     config = _peft_lora_config(model, settings, base_model_name_or_path)
     if hasattr(getattr(model, "config", None), "model_type"):
         _check_peft_keeps_targets(model, config)
+    tensors = peft_adapter_state_dict(model)
     out = Path(out_dir)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return out
     out.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out))
-    save_file(peft_adapter_state_dict(model), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     return out

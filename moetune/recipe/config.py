@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moetune.lora import LoraSettings
+
 DEFAULT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "default"
 """The shipped default job's files: tiny Qwen3-MoE config, tokenizer, arithmetic dataset."""
 
 PRECISIONS = ("auto", "fp32", "bf16_autocast", "bf16")
 PARALLELISMS = ("fsdp", "ddp")
 ON_BAD_ROW = ("skip", "fail")
-LORA_TARGETS = ("attention", "experts")
 
 
 @dataclass
@@ -140,19 +141,15 @@ class MetricsConfig:
 
 
 @dataclass
-class LoraConfig:
+class LoraConfig(LoraSettings):
+    """moetune.lora's settings (rank, alpha, dropout, target_modules, target_experts,
+    adapter_dtype: documented there) plus the recipe's switches."""
+
     enabled: bool = False
     """Train LoRA adapters only; the base weights are frozen."""
-    rank: int = 16
-    """Adapter rank r."""
-    alpha: float = 32.0
-    """Scaling numerator: the update is (alpha / rank) * B @ A."""
-    dropout: float = 0.0
-    """Dropout on the adapter input."""
-    targets: list[str] = field(default_factory=lambda: ["attention", "experts"])
-    """Where adapters go: "attention" (q/k/v/o projections), "experts" (one adapter per expert)."""
     export_merged: bool = True
-    """At the end also write a merged full checkpoint (adapters folded into the weights)."""
+    """At the end also write a merged full checkpoint (adapters folded into the weights) to
+    output_dir/final; the PEFT adapter always goes to output_dir/adapter."""
 
 
 @dataclass
@@ -200,8 +197,6 @@ def validate(config: JobConfig) -> JobConfig:
           f"{config.distributed.parallelism!r} is not one of {PARALLELISMS}")
     check(config.data.on_bad_row in ON_BAD_ROW, "data.on_bad_row",
           f"{config.data.on_bad_row!r} is not one of {ON_BAD_ROW}")
-    for target in config.lora.targets:
-        check(target in LORA_TARGETS, "lora.targets", f"{target!r} is not one of {LORA_TARGETS}")
     for name, value in [
         ("training.steps", config.training.steps),
         ("training.micro_batch_size", config.training.micro_batch_size),
@@ -209,7 +204,6 @@ def validate(config: JobConfig) -> JobConfig:
         ("data.max_length", config.data.max_length),
         ("checkpoint.keep_last", config.checkpoint.keep_last),
         ("metrics.log_every", config.metrics.log_every),
-        ("lora.rank", config.lora.rank),
     ]:
         check(value >= 1, name, f"must be >= 1, got {value}")
     for name, value in [

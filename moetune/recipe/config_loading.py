@@ -108,7 +108,10 @@ def build(cls: type, values: dict[str, tuple[Any, str]], prefix: str = "") -> An
         elif dotted in values:
             value, source = values[dotted]
             kwargs[f.name] = coerce(value, hints[f.name], name=dotted, source=source)
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ValueError as err:  # a section's own checks (e.g. LoraSettings.__post_init__)
+        raise ValueError(f"config section {prefix.rstrip('.') or 'root'}: {err}") from err
 
 
 def coerce(value: Any, hint: Any, *, name: str, source: str) -> Any:
@@ -167,14 +170,15 @@ def coerce(value: Any, hint: Any, *, name: str, source: str) -> Any:
 
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of dataclass ``cls`` (attribute docstrings, read from source)."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+    docs: dict[str, str] = {}
+    for klass in reversed([k for k in cls.__mro__ if dataclasses.is_dataclass(k)]):  # base first
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
     return docs
 
 

@@ -20,7 +20,9 @@ def _patch_interpreter_index(monkeypatch: pytest.MonkeyPatch) -> None:
     interpreter only (compiled kernels are unaffected). Re-set ``__index__`` after its own patch."""
     import triton.runtime.interpreter as interpreter
 
-    original = interpreter._patch_lang_tensor
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:  # another Triton layout: run unpatched
+        return
 
     def patch_lang_tensor(tensor, scope):
         original(tensor, scope)

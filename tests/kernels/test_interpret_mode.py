@@ -23,8 +23,9 @@ REPO_ROOT = KERNEL_TESTS.parent.parent
 def test_kernels_in_triton_interpret_mode():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     command = [sys.executable, "-m", "pytest", str(KERNEL_TESTS), "-q", "-k", "interpreter", "-m", "not gpu",
-               "-p", "no:cacheprovider"]  # fmt: skip
+               "-p", "no:cacheprovider", "--ignore", str(KERNEL_TESTS / "test_compile_sm90.py")]  # fmt: skip
     result = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=900)
     tail = result.stdout[-6000:] + result.stderr[-2000:]
     assert result.returncode == 0, tail
-    assert " passed" in result.stdout and " skipped" not in result.stdout.splitlines()[-1], tail
+    summary = result.stdout.strip().splitlines()[-1]
+    assert " passed" in summary and " skipped" not in summary, tail  # every interpreter test really ran

@@ -59,6 +59,8 @@ def test_rejects_bad_shapes():
         apply_rope(q, k, cos, sin, unsqueeze_dim=0)
     with pytest.raises(ValueError, match="4-D q, k"):
         apply_rope(q[0], k, cos, sin)
+    with pytest.raises(ValueError, match="disagree"):
+        apply_rope(q, k[:, :, :2], cos, sin)
     with pytest.raises(ValueError, match="head_dim"):
         apply_rope(q[..., :7], k[..., :7], cos[..., :7], sin[..., :7])
 

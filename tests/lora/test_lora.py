@@ -163,3 +163,49 @@ def test_target_experts_without_experts_is_an_error():
     model = build_moetune_model(tiny_qwen3_moe_config(mlp_only_layers=[0, 1]))
     with pytest.raises(ValueError, match="target_experts"):
         apply_lora(model, LoraSettings())
+
+
+def test_remove_lora_restores_base_model(tokens):
+    from moetune.lora import remove_lora
+
+    model = build_moetune_model(tiny_qwen3_moe_config())
+    with torch.no_grad():
+        before = model(tokens).logits
+    apply_lora(model, LoraSettings(rank=2))
+    randomize_adapters(model)
+    remove_lora(model)
+    assert lora_state_dict(model) == {}
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, before, rtol=0, atol=0)
+
+
+def test_apply_on_meta_device_then_reset():
+    # The sharded-loading flow: build on meta, add adapters, materialise, then initialise them.
+    from moetune import AutoModelForCausalLM
+    from moetune.lora import reset_lora_parameters
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_qwen3_moe_config())
+    apply_lora(model, LoraSettings(rank=2))
+    assert all(p.is_meta for p in lora_state_dict(model).values())
+    model.to_empty(device="cpu")
+    reset_lora_parameters(model)
+    for name, value in lora_state_dict(model).items():
+        if ".lora_B" in name:
+            assert not value.any(), name
+        else:
+            bound = value.shape[-1] ** -0.5
+            assert 0 < value.abs().max() <= bound, name
+
+
+def test_deepcopy_gives_an_independent_lora_model(tokens):
+    # Reference / EMA models are often deep copies; the swapped class and the hooks must copy too.
+    import copy
+
+    model = apply_lora(build_moetune_model(tiny_qwen3_moe_config()), LoraSettings(rank=2))
+    clone = copy.deepcopy(model)
+    randomize_adapters(clone)
+    merge_lora(clone)
+    assert lora_state_dict(model) and model.model.layers[0].self_attn.q_proj._forward_hooks
+    with torch.no_grad():
+        assert not torch.allclose(clone(tokens).logits, model(tokens).logits)

@@ -13,6 +13,8 @@ from moetune.lora import LoraSettings, apply_lora, export_peft_adapter
 from .helpers import build_moetune_model, randomize_adapters, rel_err, tiny_qwen3_moe_config
 
 peft = pytest.importorskip("peft")
+# peft 0.21 calls Transformers' deprecated `is_gradient_checkpointing`; not ours to fix.
+pytestmark = pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 
 
 def _export_and_load_with_peft(tmp_path, settings: LoraSettings, tokens, config=None):
@@ -126,3 +128,49 @@ def test_peft_parity_on_other_transformers_families(tmp_path, tokens, family):
     loaded = peft.PeftModel.from_pretrained(plain, tmp_path / "adapter").eval()
     with torch.no_grad():
         assert rel_err(loaded(tokens).logits, adapted) < 1e-5
+
+
+def test_load_peft_adapter_round_trip(tmp_path, tokens):
+    from moetune.lora import load_peft_adapter, lora_state_dict
+
+    adapted, _, _, _ = _export_and_load_with_peft(tmp_path, LoraSettings(rank=2, alpha=4), tokens)
+    model = load_peft_adapter(build_moetune_model(tiny_qwen3_moe_config()), tmp_path / "adapter")
+    with torch.no_grad():
+        assert rel_err(model(tokens).logits, adapted) < 1e-6
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(lora_state_dict(model))
+
+
+def test_load_adapter_written_by_peft(tmp_path, tokens):
+    # An adapter trained with peft on plain Transformers continues in moetune with the same function.
+    from moetune import AutoModelForCausalLM
+    from moetune.lora import load_peft_adapter
+
+    build_moetune_model(tiny_qwen3_moe_config()).save_pretrained(tmp_path / "base")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    config = peft.LoraConfig(
+        r=2, lora_alpha=6, target_modules=["q_proj", "o_proj"], init_lora_weights=False,
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
+    peft_model = peft.get_peft_model(plain, config).eval()
+    peft_model.save_pretrained(tmp_path / "adapter")
+    with torch.no_grad():
+        expected = peft_model(tokens).logits
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    load_peft_adapter(model, tmp_path / "adapter")
+    with torch.no_grad():
+        assert rel_err(model(tokens).logits, expected) < 1e-5
+
+
+def test_load_rejects_partial_expert_targets(tmp_path):
+    from moetune.lora import load_peft_adapter, lora_state_dict
+
+    build_moetune_model(tiny_qwen3_moe_config()).save_pretrained(tmp_path / "base")
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    config = peft.LoraConfig(r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"])
+    peft.get_peft_model(plain, config).save_pretrained(tmp_path / "adapter")
+
+    model = build_moetune_model(tiny_qwen3_moe_config())
+    with pytest.raises(ValueError, match="target_parameters"):
+        load_peft_adapter(model, tmp_path / "adapter")
+    assert lora_state_dict(model) == {}

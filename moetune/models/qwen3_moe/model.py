@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
+from moetune.kernels import RMSNorm, apply_rope
 from moetune.models.causal_lm import MoetuneCausalLMMixin, MoetuneInitMixin
 from moetune.moe import GroupedExperts, MoEBlock, SoftmaxTopKRouter
 
@@ -41,17 +43,55 @@ def build_moe_block(config) -> MoEBlock:
     )
 
 
+class Qwen3MoeAttention(hf.Qwen3MoeAttention):
+    """Transformers' attention with the q/k RMSNorm and RoPE as fused kernels (one launch each
+    instead of about ten elementwise ops), RoPE applied in [B, S, heads, D] layout before the
+    single transpose for attention."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        # Transformers >= 5.24 calls the KV cache `cache`, earlier versions `past_key_values`.
+        cache = kwargs.pop("cache", None)
+        cache = cache if cache is not None else past_key_values
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q_BSHD = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))
+        k_BSHD = self.k_norm(self.k_proj(hidden_states).view(hidden_shape))
+        v_BHSD = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        cos, sin = position_embeddings
+        q_BSHD, k_BSHD = apply_rope(q_BSHD, k_BSHD, cos, sin, unsqueeze_dim=2)
+        q_BHSD, k_BHSD = q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2)
+        if cache is not None:
+            k_BHSD, v_BHSD = cache.update(k_BHSD, v_BHSD, self.layer_idx)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, hf.eager_attention_forward)
+        out_BSHD, weights = attention(
+            self,
+            q_BHSD,
+            k_BHSD,
+            v_BHSD,
+            attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            sliding_window=self.sliding_window,
+            **kwargs,
+        )
+        return self.o_proj(out_BSHD.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
 class Qwen3MoeDecoderLayer(hf.Qwen3MoeDecoderLayer):
     def __init__(self, config, layer_idx: int) -> None:
         GradientCheckpointingLayer.__init__(self)
         self.hidden_size = config.hidden_size
-        self.self_attn = hf.Qwen3MoeAttention(config, layer_idx)
+        self.self_attn = Qwen3MoeAttention(config, layer_idx)
         if is_sparse_layer(config, layer_idx):
             self.mlp = build_moe_block(config)
         else:
             self.mlp = hf.Qwen3MoeMLP(config, intermediate_size=config.intermediate_size)
-        self.input_layernorm = hf.Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = hf.Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class Qwen3MoeModel(MoetuneInitMixin, hf.Qwen3MoeModel):
@@ -61,7 +101,7 @@ class Qwen3MoeModel(MoetuneInitMixin, hf.Qwen3MoeModel):
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = hf.Qwen3MoeRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = hf.Qwen3MoeRotaryEmbedding(config=config)
         self.gradient_checkpointing = False
         self.post_init()

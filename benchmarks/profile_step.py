@@ -1,0 +1,128 @@
+"""Profile one training step of Transformers v5 and moetune side by side (CUDA).
+
+    python benchmarks/profile_step.py --layers 8 --seq-len 4096 [--routing balanced] [--sides hf,moetune]
+
+Prints per side: median fwd+bwd and optimizer times, peak memory, and the top CUDA kernels of one
+profiled step, so optimisation goes after the largest measured cost first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import moetune
+
+CONFIG = Path(__file__).resolve().parents[1] / "moetune/assets/configs/qwen3_30b_a3b.json"
+QWEN3_30B_A3B = dict(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+    router_aux_loss_coef=0.001, output_router_logits=False,
+)
+
+
+def balanced_hf_router(self, hidden_states):
+    from moetune.moe.routing import balanced_assignment
+
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(hidden_states, self.weight)
+    weights, experts = balanced_assignment(
+        hidden_states.shape[0], num_experts=self.num_experts, top_k=self.top_k, device=logits.device, dtype=logits.dtype
+    )
+    return logits, weights, experts
+
+
+def build(side: str, layers: int, balanced: bool):
+    cfg = transformers.Qwen3MoeConfig(**{**QWEN3_30B_A3B, "num_hidden_layers": layers})
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        if side == "hf":
+            model = transformers.AutoModelForCausalLM.from_config(
+                cfg, dtype=torch.bfloat16, attn_implementation="sdpa", experts_implementation="grouped_mm"
+            )
+        else:
+            model = moetune.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, balanced_gate=balanced)
+    if side == "hf" and balanced:
+        from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
+
+        hf.Qwen3MoeTopKRouter.forward = balanced_hf_router
+    return model.train()
+
+
+def run(side: str, args) -> dict:
+    model = build(side, args.layers, args.routing == "balanced")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (args.micro_batch, args.seq_len), device="cuda", generator=gen)
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss
+
+    fwd_bwd, optim = [], []
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = torch.cuda.Event(enable_timing=True)
+        t1 = torch.cuda.Event(enable_timing=True)
+        t2 = torch.cuda.Event(enable_timing=True)
+        t0.record()
+        step()
+        t1.record()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t2.record()
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            fwd_bwd.append(t0.elapsed_time(t1))
+            optim.append(t1.elapsed_time(t2))
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    result = {
+        "side": side,
+        "fwd_bwd_ms": statistics.median(fwd_bwd),
+        "optim_ms": statistics.median(optim),
+        "tokens_per_s": args.micro_batch * args.seq_len / (statistics.median(fwd_bwd) + statistics.median(optim)) * 1e3,
+        "peak_gib": peak,
+    }
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+        print(f"==== {side}: top CUDA kernels of one step ====")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70))
+    del model, opt
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--routing", choices=["real", "balanced"], default="real")
+    parser.add_argument("--sides", default="hf,moetune")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    results = [run(side, args) for side in args.sides.split(",")]
+    for r in results:
+        print(json.dumps({**vars(args), **r}))
+
+
+if __name__ == "__main__":
+    main()

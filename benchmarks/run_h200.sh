@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# moetune vs Transformers v5 on one H200, in one call (about 5-7 minutes):
+#   1. versions and nvidia-smi
+#   2. correctness first: bf16 parity of loss, logits and gradients against an fp32 reference
+#      (2-layer Qwen3-30B-A3B shapes, seq 1024, real routing)
+#   3. row A: 8 layers, seq 4096, micro-batch 1 and 2, real and balanced routing, activation
+#      checkpointing off and on (each side's model is built once for all 8 settings)
+#   4. if time is left: row B (16 layers, micro-batch 1) and row C (seq 16,384, micro-batch 1)
+#   5. a compact table of every result file, printed last
+# Results (JSON + PNG per run, and this log) go to $OUT (default benchmarks/results).
+#
+#   OUT=/some/dir bash benchmarks/run_h200.sh
+#   BUDGET_S=420 (skip the optional rows once this many seconds have passed)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results}"
+BUDGET_S="${BUDGET_S:-330}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export MOETUNE_COMMIT="${MOETUNE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+export PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/run_h200.log") 2>&1
+status=0
+bench() { timeout "$1" python -m moetune.bench --out "$OUT" "${@:2}" || status=1; }
+
+echo "== $(date -u +%FT%TZ) commit $MOETUNE_COMMIT"
+python - <<'PY'
+import platform, torch, transformers
+try:
+    import triton; tv = triton.__version__
+except ImportError:
+    tv = None
+print(f"python {platform.python_version()} torch {torch.__version__} (cuda {torch.version.cuda}) "
+      f"transformers {transformers.__version__} triton {tv}")
+print("gpus:", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+PY
+nvidia-smi || true
+
+echo "== parity (correctness before timing)"
+bench 240 --parity-only --parity-layers 2 --parity-seq-len 1024 --parity-routing real
+
+echo "== row A: 8 layers, seq 4096, mb 1 and 2, real + balanced, AC off + on"
+bench 360 --layers 8 --seq-len 4096 --micro-batch 1 2 --routing both --activation-checkpointing both
+
+if (( SECONDS < BUDGET_S )); then
+  echo "== row B: 16 layers, seq 4096, mb 1, real + balanced"
+  bench 150 --layers 16 --seq-len 4096 --micro-batch 1 --routing both
+else
+  echo "== row B skipped (${SECONDS}s elapsed, budget ${BUDGET_S}s)"
+fi
+if (( SECONDS < BUDGET_S + 60 )); then
+  echo "== row C: 8 layers, seq 16384, mb 1, real + balanced"
+  bench 120 --layers 8 --seq-len 16384 --micro-batch 1 --routing both
+else
+  echo "== row C skipped (${SECONDS}s elapsed)"
+fi
+
+echo "== summary (${SECONDS}s)"
+python -m moetune.bench --summarize $(ls -t "$OUT"/*.json | head -n 8 | tac) || status=1
+exit $status

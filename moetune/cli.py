@@ -1,0 +1,68 @@
+"""The ``moetune`` command.
+
+    moetune finetune                                   # the embedded default job
+    moetune finetune -c examples/qwen3_30b_a3b_sft.yaml --optim.lr 1e-5
+    moetune finetune -c cfg.yaml --nproc-per-node 8     # re-executed through torchrun
+    moetune finetune --help                            # every config field, its default and doc
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _finetune_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moetune finetune",
+        description="Fine-tune a (MoE) causal LM. Any config field can be set as --section.field VALUE "
+                    "(command line > YAML > defaults); see --help-config for the list.",
+    )
+    parser.add_argument("-c", "--config", help="YAML file with the job's config")
+    parser.add_argument("--nproc-per-node", type=int, default=0,
+                        help="start this many processes on this node through torchrun (torch.distributed.run)")
+    parser.add_argument("--help-config", action="store_true", help="list every config field and exit")
+    return parser
+
+
+def finetune_main(argv: list[str]) -> int:
+    parser = _finetune_parser()
+    args, overrides = parser.parse_known_args(argv)
+    if args.help_config:
+        from moetune.recipe.config_loading import describe
+
+        for key, default, doc in describe():
+            print(f"--{key} (default {default})\n    {doc}")
+        return 0
+    if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
+        # Not a launcher of our own: torchrun handles rendezvous, env vars and failures.
+        rest = [a for a in argv if not a.startswith("--nproc-per-node")]
+        if "--nproc-per-node" in argv:
+            i = argv.index("--nproc-per-node")
+            rest = argv[:i] + argv[i + 2:]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={args.nproc_per_node}", "-m", "moetune.cli", "finetune", *rest]
+        os.execv(sys.executable, cmd)
+    from moetune.recipe.config_loading import load_config
+    from moetune.recipe.train import finetune
+
+    try:
+        config = load_config(yaml_path=args.config, overrides=overrides)
+    except ValueError as err:
+        parser.error(str(err))
+    finetune(config)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    commands = {"finetune": finetune_main}
+    if not argv or argv[0] not in commands:
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    return commands[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Read raw rows from local JSONL / JSON / Parquet files or Hugging Face ``datasets``.
+
+Only local data: a file, a ``save_to_disk`` directory, or a dataset already in the local
+``datasets`` cache. Malformed JSONL lines are skipped and counted, or fail, per
+``data.on_bad_row``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class ReadStats:
+    """Counts of what reading and formatting did to the rows, reported in the logs."""
+
+    rows: int = 0
+    """Rows read."""
+    bad_rows: int = 0
+    """Malformed rows skipped (unparseable JSON, missing or ill-typed columns)."""
+    truncated: int = 0
+    """Samples longer than data.max_length, cut to it."""
+    empty: int = 0
+    """Samples with no answer token left (after truncation), dropped."""
+    examples: list[str] = field(default_factory=list)
+    """The first few problems found, for the error message or the log."""
+
+    def note_bad(self, message: str, *, on_bad_row: str) -> None:
+        if on_bad_row == "fail":
+            raise ValueError(f"{message} (set data.on_bad_row: skip to skip such rows)")
+        self.bad_rows += 1
+        if len(self.examples) < 3:
+            self.examples.append(message)
+
+
+def read_rows(path: str, *, field_name: str, split: str, on_bad_row: str, stats: ReadStats) -> list[dict[str, Any]]:
+    """Rows of ``path`` as dicts. ``field_name`` (e.g. "data.train_path") names the config
+    field in error messages."""
+    p = Path(path)
+    if p.is_file():
+        suffix = p.suffix.lower()
+        if suffix == ".jsonl":
+            rows = _read_jsonl(p, on_bad_row=on_bad_row, stats=stats)
+        elif suffix == ".json":
+            rows = _read_json(p, field_name=field_name)
+        elif suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            rows = pq.read_table(p).to_pylist()
+        else:
+            raise ValueError(f"{field_name}: {path} has an unsupported extension {suffix!r} "
+                             "(use .jsonl, .json, .parquet, or a datasets directory)")
+    elif p.is_dir():
+        rows = _read_datasets_dir(p, split=split, field_name=field_name)
+    elif p.suffix or "/" in path:
+        raise ValueError(f"{field_name}: file {path} does not exist")
+    else:
+        rows = _read_datasets_cache(path, split=split, field_name=field_name)
+    stats.rows += len(rows)
+    return rows
+
+
+def _read_jsonl(path: Path, *, on_bad_row: str, stats: ReadStats) -> list[dict[str, Any]]:
+    rows = []
+    with path.open() as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                stats.note_bad(f"{path}:{line_no}: not valid JSON ({err.msg})", on_bad_row=on_bad_row)
+                continue
+            if not isinstance(row, dict):
+                stats.note_bad(f"{path}:{line_no}: a row must be a JSON object", on_bad_row=on_bad_row)
+                continue
+            rows.append(row)
+    return rows
+
+
+def _read_json(path: Path, *, field_name: str) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{field_name}: {path} is not valid JSON ({err})") from err
+    if not isinstance(data, list):
+        raise ValueError(f"{field_name}: {path} must hold a JSON list of rows")
+    return data
+
+
+def _read_datasets_dir(path: Path, *, split: str, field_name: str) -> list[dict[str, Any]]:
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except FileNotFoundError as err:
+        raise ValueError(f"{field_name}: {path} is a directory but not a saved `datasets` dataset") from err
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ValueError(f"{field_name}: {path} has no split {split!r} (data.split); it has {list(ds)}")
+        ds = ds[split]
+    return ds.to_list()
+
+
+def _read_datasets_cache(name: str, *, split: str, field_name: str) -> list[dict[str, Any]]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, split=split)
+    except Exception as err:  # datasets raises many types for "not cached and offline"
+        raise ValueError(f"{field_name}: {name!r} is neither a local file or directory nor a dataset "
+                         f"in the local `datasets` cache ({type(err).__name__}: {err})") from err
+    return ds.to_list()

@@ -1,0 +1,51 @@
+"""The job's data, end to end: read, format and tokenize, split off validation, held-out eval set."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from moetune.recipe.config import DataConfig
+from moetune.recipe.data_sources import ReadStats, read_rows
+from moetune.recipe.evaluation import EvalSet, build_eval_set
+from moetune.recipe.formatting import Sample, row_to_messages, tokenize_rows
+from moetune.recipe.packing import split_validation
+
+
+@dataclass
+class PreparedData:
+    train: list[Sample]
+    val: list[Sample]
+    eval_set: EvalSet | None
+    stats: ReadStats
+
+
+def prepare_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, seed: int) -> PreparedData:
+    stats = ReadStats()
+    rows = read_rows(config.train_path, field_name="data.train_path", split=config.split,
+                     on_bad_row=config.on_bad_row, stats=stats)
+    samples = tokenize_rows(rows, tokenizer, messages_column=config.messages_column,
+                            prompt_column=config.prompt_column, answer_column=config.answer_column,
+                            max_length=config.max_length, on_bad_row=config.on_bad_row, stats=stats)
+    if not samples:
+        raise ValueError(f"data.train_path: no usable samples in {config.train_path} "
+                         f"({stats.bad_rows} malformed rows; first problems: {stats.examples})")
+    train, val = split_validation(samples, fraction=config.val_fraction, seed=seed)
+    eval_set = None
+    if config.test_path:
+        test_rows = read_rows(config.test_path, field_name="data.test_path", split=config.split,
+                              on_bad_row=config.on_bad_row, stats=ReadStats())
+        conversations = []
+        for index, row in enumerate(test_rows):
+            messages = row_to_messages(row, messages_column=config.messages_column,
+                                       prompt_column=config.prompt_column, answer_column=config.answer_column)
+            if isinstance(messages, str):
+                if config.on_bad_row == "fail":
+                    raise ValueError(f"data.test_path: row {index}: {messages}")
+                continue
+            conversations.append(messages)
+        if config.num_eval_samples:
+            conversations = conversations[: config.num_eval_samples]
+        eval_set = build_eval_set(conversations, tokenizer)
+    return PreparedData(train=train, val=val, eval_set=eval_set, stats=stats)

@@ -1,0 +1,104 @@
+"""Process group, device and data-parallel wrapping: the recipe's only distributed code.
+
+Single process: nothing is initialised. Under torchrun (``moetune finetune --nproc-per-node N``
+or Slurm + torchrun) each rank takes its local GPU and the model is wrapped with FSDP2
+(``fully_shard`` per decoder layer, then the root) or DDP. This is plain data parallelism;
+expert parallelism comes from ``moetune.distributed.parallelize`` once the recipe switches to it,
+here, in ``wrap_model`` alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moetune.recipe.config import DistributedConfig, TrainingConfig
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_runtime(training: TrainingConfig, dist_config: DistributedConfig) -> Runtime:
+    """Pick the device; join the process group when launched by torchrun (WORLD_SIZE > 1)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    want_cuda = training.device == "cuda" or (training.device == "auto" and torch.cuda.is_available())
+    if want_cuda and not torch.cuda.is_available():
+        raise ValueError("training.device: 'cuda' was asked for but no GPU is visible")
+    if want_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not dist.is_initialized():
+        backend = dist_config.backend or ("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
+    return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def wrap_model(model: torch.nn.Module, runtime: Runtime, config: DistributedConfig) -> torch.nn.Module:
+    """Data-parallel wrapping (identity in one process). Returns the module to call."""
+    if not runtime.distributed:
+        return model
+    if config.parallelism == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [runtime.local_rank] if runtime.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=ids)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The underlying Transformers model (DDP wraps it; FSDP2 does not)."""
+    return getattr(model, "module", model)
+
+
+def clip_grad_norm(model: torch.nn.Module, *, max_norm: float) -> float:
+    """Clip the global gradient norm (over all ranks' shards) to ``max_norm`` (0: only measure it)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm if max_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor norm
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def barrier(runtime: Runtime) -> None:
+    if runtime.distributed:
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float], runtime: Runtime) -> list[float]:
+    """Sum of ``values`` over ranks (one small collective)."""
+    if not runtime.distributed:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=runtime.device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def shutdown(runtime: Runtime) -> None:
+    if runtime.distributed and dist.is_initialized():
+        dist.destroy_process_group()

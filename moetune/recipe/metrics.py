@@ -1,0 +1,152 @@
+"""Training metrics: FLOPs and MFU, expert load, and the sinks (progress bar, JSONL,
+TensorBoard, Weights & Biases).
+
+Letters: T = tokens, E = experts, L = MoE layers.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from moetune.recipe.config import MetricsConfig
+
+
+def moe_layer_ids(model_config: PretrainedConfig) -> list[int]:
+    """Indices of the decoder layers with experts (Qwen3-MoE's rule: not in mlp_only_layers,
+    and every decoder_sparse_step-th layer)."""
+    num_experts = getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", 0)
+    if not num_experts:
+        return []
+    dense = set(getattr(model_config, "mlp_only_layers", None) or [])
+    step = getattr(model_config, "decoder_sparse_step", 1) or 1
+    return [i for i in range(model_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
+
+
+def training_flops_per_token(model_config: PretrainedConfig, *, seq_len: int) -> float:
+    """Megatron/NeMo convention (causal attention halved, router ignored, x3 for fwd + bwd):
+    3 * [sum over layers of (2H(q + 2kv + q) + 2 seq q + MLP) + 2HV], MLP = top_k * 3 * 2H I_moe
+    for MoE layers and 3 * 2H I_dense for dense ones."""
+    c = model_config
+    hidden = c.hidden_size
+    head_dim = getattr(c, "head_dim", None) or hidden // c.num_attention_heads
+    q = c.num_attention_heads * head_dim
+    kv = c.num_key_value_heads * head_dim
+    moe = set(moe_layer_ids(c))
+    total = 0.0
+    for layer in range(c.num_hidden_layers):
+        total += 2 * hidden * (q + 2 * kv + q) + 2 * seq_len * q
+        if layer in moe:
+            total += c.num_experts_per_tok * 3 * 2 * hidden * c.moe_intermediate_size
+        else:
+            total += 3 * 2 * hidden * c.intermediate_size
+    total += 2 * hidden * c.vocab_size
+    return 3.0 * total
+
+
+class ExpertLoad:
+    """Tokens routed to each expert of each MoE layer, accumulated on the device (no host sync
+    per step)."""
+
+    def __init__(self, *, num_layers: int, num_experts: int, top_k: int, device: torch.device) -> None:
+        self.top_k, self.num_experts = top_k, num_experts
+        self.counts_LE = torch.zeros(num_layers, num_experts, dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def add(self, router_logits: tuple[torch.Tensor, ...] | None, real_T: torch.Tensor) -> None:
+        """``router_logits``: per MoE layer [T, E] (T = all tokens of the micro-batch);
+        ``real_T``: True for real tokens (padding is not counted)."""
+        if not router_logits:
+            return
+        for layer, logits_TE in enumerate(router_logits):
+            # Softmax is monotonic, so top-k of the logits picks the same experts as top-k of the probs.
+            chosen = logits_TE[real_T.to(logits_TE.device)].topk(self.top_k, dim=-1).indices
+            self.counts_LE[layer] += torch.bincount(chosen.flatten(), minlength=self.num_experts)
+
+    def as_lists(self) -> list[list[int]]:
+        return self.counts_LE.tolist()
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated GPU memory, or on CPU the peak resident set size of this process."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
+
+
+class MetricsSink:
+    """Writes one record per log step to every enabled sink. Only rank 0 builds one."""
+
+    def __init__(self, config: MetricsConfig, *, output_dir: Path, total_steps: int, initial_step: int,
+                 run_config: dict[str, Any]) -> None:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = (output_dir / "metrics.jsonl").open("a")
+        self.bar = None
+        if config.progress_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=initial_step, desc="finetune", dynamic_ncols=True)
+        self.tensorboard = None
+        if config.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
+            except ImportError:
+                print("metrics.tensorboard: tensorboard is not installed; skipping it", file=sys.stderr)
+        self.wandb = None
+        if config.wandb_project:
+            try:
+                import wandb
+
+                self.wandb = wandb.init(project=config.wandb_project, config=run_config, dir=str(output_dir))
+            except ImportError:
+                print("metrics.wandb_project: wandb is not installed; skipping it", file=sys.stderr)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        step = record.get("step", 0)
+        numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+        if self.tensorboard is not None:
+            for key, value in numbers.items():
+                self.tensorboard.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+
+    def advance(self, steps: int, postfix: dict[str, str]) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+            self.bar.set_postfix(postfix, refresh=False)
+
+    def message(self, text: str) -> None:
+        """A line for the user, printed above the progress bar."""
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.jsonl.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def format_postfix(record: dict[str, Any]) -> dict[str, str]:
+    """The progress bar's short fields."""
+    out = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}", "gnorm": f"{record['grad_norm']:.2f}",
+           "tok/s/gpu": f"{record['tokens_per_s_per_gpu']:.0f}", "TFLOP/s": f"{record['tflops_per_gpu']:.2f}"}
+    out["mfu"] = "n/a" if record.get("mfu") is None else f"{100 * record['mfu']:.1f}%"
+    out["mem"] = f"{record['peak_mem_gib']:.1f}G"
+    return out

@@ -1,0 +1,71 @@
+"""Build the model and tokenizer a job asks for, on the job's device and dtype."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from moetune import AutoModelForCausalLM
+from moetune.recipe.config import ModelConfig
+
+
+def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
+    path = config.tokenizer_path or config.pretrained_path
+    field = "model.tokenizer_path" if config.tokenizer_path else "model.pretrained_path"
+    if not Path(path).is_dir():
+        raise ValueError(f"{field}: tokenizer directory {path} does not exist")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not tokenizer.chat_template:
+        raise ValueError(f"{field}: the tokenizer in {path} has no chat template")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token  # only pads; padded positions carry no label
+    return tokenizer
+
+
+def load_model_config(config: ModelConfig) -> PretrainedConfig:
+    """The model's Transformers config, with the job's overrides applied."""
+    field = "model.pretrained_path" if config.pretrained_path else "model.config_path"
+    path = Path(config.pretrained_path or config.config_path)
+    if not path.exists():
+        raise ValueError(f"{field}: {path} does not exist")
+    model_config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
+    if config.router_aux_loss_coef is not None:
+        if not hasattr(model_config, "router_aux_loss_coef"):
+            raise ValueError("model.router_aux_loss_coef: this model has no MoE load-balancing loss")
+        model_config.router_aux_loss_coef = config.router_aux_loss_coef
+    return model_config
+
+
+def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: torch.dtype,
+                device: torch.device) -> PreTrainedModel:
+    """From ``pretrained_path`` (weights loaded) or from ``config_path`` (random init, seeded by
+    the caller), in train mode."""
+    kwargs = {"dtype": dtype}
+    if config.attn_implementation:
+        kwargs["attn_implementation"] = config.attn_implementation
+    if config.pretrained_path:
+        model = AutoModelForCausalLM.from_pretrained(config.pretrained_path, config=model_config,
+                                                     device_map=str(device), **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_config(model_config, **kwargs).to(device)
+    if config.activation_checkpointing:
+        # Non-reentrant: works with frozen inputs (LoRA) and with FSDP2.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def is_moe(model_config: PretrainedConfig) -> bool:
+    return getattr(model_config, "num_experts_per_tok", None) is not None
+
+
+def model_fingerprint(model_config: PretrainedConfig) -> dict:
+    """What must match for a checkpoint to resume into this model: architecture and shapes."""
+    keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts",
+            "num_local_experts", "num_experts_per_tok", "mlp_only_layers", "decoder_sparse_step",
+            "tie_word_embeddings")
+    d = model_config.to_dict()
+    return {k: d[k] for k in keys if k in d}

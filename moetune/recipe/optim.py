@@ -1,0 +1,43 @@
+"""AdamW and the warm-up + cosine learning-rate schedule.
+
+The schedule is a pure function of the step, set on the optimizer before each step: nothing
+to save, and a resumed run gets exactly the same learning rates.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moetune.recipe.config import OptimConfig
+
+
+def build_optimizer(params: list[torch.nn.Parameter], config: OptimConfig, *, device: torch.device) -> torch.optim.AdamW:
+    """AdamW over trainable params; fused (one kernel for all parameters) where the device has it."""
+    if not params:
+        raise ValueError("no trainable parameters (with lora.enabled, check lora.targets)")
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]  # norms and biases: decay would only shrink them
+    groups = [{"params": decay, "weight_decay": config.weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    fused = device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, lr=lr_at(0, config, total_steps=1), betas=tuple(config.betas),
+                             eps=config.eps, fused=fused)
+
+
+def lr_at(step: int, config: OptimConfig, *, total_steps: int) -> float:
+    """Learning rate of optimizer step ``step`` (0-based): linear warm-up to ``lr``, then cosine
+    decay to ``lr * min_lr_ratio`` at ``total_steps``."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    decay_steps = max(1, total_steps - config.warmup_steps)
+    progress = min(1.0, (step - config.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

@@ -1,0 +1,178 @@
+"""Samples -> fixed-size micro-batches, with deterministic shuffling and a resumable position.
+
+Packing puts several samples in one row of ``max_length`` tokens. Each sample's position_ids
+restart at 0 and no attention mask is passed: Transformers then derives the document
+boundaries from the position_ids (``masking_utils.find_packed_sequence_indices``), which gives a
+block-diagonal causal mask with sdpa/eager (the CPU path), a document mask with
+flex_attention, and varlen kernels (cu_seqlens) with flash_attention_2/3 on GPU. The first
+token of each sample gets no label, so no token is ever predicted across a boundary.
+
+Letters: B = rows in a micro-batch, T = tokens per row.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from moetune.recipe.formatting import IGNORE_INDEX, Sample
+
+
+@dataclass
+class Batch:
+    """One micro-batch, as tensors on the CPU."""
+
+    input_ids_BT: torch.Tensor
+    labels_BT: torch.Tensor
+    position_ids_BT: torch.Tensor
+    attention_mask_BT: torch.Tensor | None
+    """None for packed batches (boundaries come from position_ids); 1/0 padding mask otherwise."""
+    real_BT: torch.Tensor
+    """True on real tokens, False on padding (for expert-load counts)."""
+    num_tokens: int
+    """Real (non-padding) tokens."""
+    num_label_tokens: int
+    """Tokens that carry a loss (labels != IGNORE_INDEX after the causal shift)."""
+
+    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+        inputs = {"input_ids": self.input_ids_BT, "labels": self.labels_BT, "position_ids": self.position_ids_BT}
+        if self.attention_mask_BT is not None:
+            inputs["attention_mask"] = self.attention_mask_BT
+        return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+
+
+def pack(samples: list[Sample], *, max_length: int) -> list[list[Sample]]:
+    """Greedy first-fit in the given order: a row is closed when the next sample does not fit."""
+    rows: list[list[Sample]] = []
+    current: list[Sample] = []
+    used = 0
+    for sample in samples:
+        n = len(sample.input_ids)
+        assert n <= max_length, "samples are truncated to max_length before packing"
+        if used + n > max_length:
+            rows.append(current)
+            current, used = [], 0
+        current.append(sample)
+        used += n
+    if current:
+        rows.append(current)
+    return rows
+
+
+def collate(rows: list[list[Sample]], *, pad_id: int, max_length: int, packed: bool) -> Batch:
+    """Rows of samples -> a Batch. Packed rows are padded to ``max_length`` (fixed shapes);
+    unpacked rows hold one sample each and are padded to the longest."""
+    width = max_length if packed else max(len(r[0].input_ids) for r in rows)
+    ids, labels, positions, masks = [], [], [], []
+    num_tokens = num_label_tokens = 0
+    for row in rows:
+        row_ids, row_labels, row_pos = [], [], []
+        for sample in row:
+            row_ids += sample.input_ids
+            # No label on a sample's first token: it would be predicted from the previous sample.
+            row_labels += [IGNORE_INDEX] + sample.labels[1:]
+            row_pos += range(len(sample.input_ids))
+        n = len(row_ids)
+        num_tokens += n
+        num_label_tokens += sum(label != IGNORE_INDEX for label in row_labels)
+        pad = width - n
+        ids.append(row_ids + [pad_id] * pad)
+        labels.append(row_labels + [IGNORE_INDEX] * pad)
+        # Padding continues as one more "document" so it never joins a real sample's attention.
+        positions.append(row_pos + list(range(pad)))
+        masks.append([1] * n + [0] * pad)
+    return Batch(
+        input_ids_BT=torch.tensor(ids),
+        labels_BT=torch.tensor(labels),
+        position_ids_BT=torch.tensor(positions),
+        attention_mask_BT=None if packed else torch.tensor(masks),
+        real_BT=torch.tensor(masks, dtype=torch.bool),
+        num_tokens=num_tokens,
+        num_label_tokens=num_label_tokens,
+    )
+
+
+def split_validation(samples: list[Sample], *, fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:
+    """(train, validation): a seeded random ``fraction`` of the samples is held out."""
+    num_val = int(len(samples) * fraction)
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    val_ids = set(order[:num_val])
+    train = [s for i, s in enumerate(samples) if i not in val_ids]
+    val = [s for i, s in enumerate(samples) if i in val_ids]
+    return train, val
+
+
+@dataclass
+class DataPosition:
+    """Where the batch stream is; all it takes to resume it exactly."""
+
+    epoch: int = 0
+    micro_batch: int = 0
+    """Index of the next micro-batch within the epoch."""
+
+
+class BatchStream:
+    """Endless stream of this rank's micro-batches: each epoch reshuffles the samples with
+    ``seed + epoch``, packs them, and deals micro-batches to ranks round-robin."""
+
+    def __init__(self, samples: list[Sample], *, micro_batch_size: int, max_length: int, packed: bool,
+                 pad_id: int, seed: int, rank: int = 0, world_size: int = 1) -> None:
+        if not samples:
+            raise ValueError("data.train_path: no usable training samples")
+        self.samples, self.micro_batch_size, self.max_length = samples, micro_batch_size, max_length
+        self.packed, self.pad_id, self.seed = packed, pad_id, seed
+        self.rank, self.world_size = rank, world_size
+        self.position = DataPosition()
+        self._epoch_batches: list[list[list[Sample]]] | None = None
+        self._epoch_of_batches = -1
+
+    def _batches_of_epoch(self, epoch: int) -> list[list[list[Sample]]]:
+        if self._epoch_of_batches != epoch:
+            order = list(range(len(self.samples)))
+            random.Random(self.seed + epoch).shuffle(order)
+            shuffled = [self.samples[i] for i in order]
+            rows = pack(shuffled, max_length=self.max_length) if self.packed else [[s] for s in shuffled]
+            per_step = self.micro_batch_size * self.world_size
+            # Whole global micro-batches only, so every rank runs the same number of steps.
+            num = len(rows) // per_step
+            if num == 0:
+                raise ValueError(f"training.micro_batch_size: {self.micro_batch_size} rows x {self.world_size} "
+                                 f"ranks is more than the {len(rows)} rows of one epoch")
+            self._epoch_batches = [
+                rows[g * per_step + self.rank * self.micro_batch_size: g * per_step + (self.rank + 1) * self.micro_batch_size]
+                for g in range(num)
+            ]
+            self._epoch_of_batches = epoch
+        assert self._epoch_batches is not None
+        return self._epoch_batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        batches = self._batches_of_epoch(self.position.epoch)
+        if self.position.micro_batch >= len(batches):
+            self.position = DataPosition(epoch=self.position.epoch + 1, micro_batch=0)
+            batches = self._batches_of_epoch(self.position.epoch)
+        rows = batches[self.position.micro_batch]
+        self.position = DataPosition(epoch=self.position.epoch, micro_batch=self.position.micro_batch + 1)
+        return collate(rows, pad_id=self.pad_id, max_length=self.max_length, packed=self.packed)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.position.epoch, "micro_batch": self.position.micro_batch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = DataPosition(epoch=int(state["epoch"]), micro_batch=int(state["micro_batch"]))
+
+
+def fixed_batches(samples: list[Sample], *, micro_batch_size: int, max_length: int, packed: bool,
+                  pad_id: int, rank: int = 0, world_size: int = 1) -> list[Batch]:
+    """All of ``samples`` in order (no shuffling, no dropping), this rank's share: for validation."""
+    rows = pack(samples, max_length=max_length) if packed else [[s] for s in samples]
+    mine = rows[rank::world_size]
+    return [collate(mine[i:i + micro_batch_size], pad_id=pad_id, max_length=max_length, packed=packed)
+            for i in range(0, len(mine), micro_batch_size)]

@@ -1,0 +1,50 @@
+"""``moetune bench --config tiny`` end to end on CPU: both sides, both routings, parity, JSON + chart."""
+
+from __future__ import annotations
+
+import json
+
+from moetune.bench.cli import main
+from moetune.bench.report import summarize
+
+
+def test_bench_tiny_end_to_end(tmp_path, capsys):
+    code = main(
+        [
+            "--config", "tiny", "--layers", "2", "--seq-len", "32", "--steps", "2", "--warmup", "1",
+            "--device", "cpu", "--parity", "--parity-seq-len", "32", "--out", str(tmp_path),
+        ]
+    )
+    assert code == 0
+    [path] = tmp_path.glob("tiny-2l_cpu_*.json")
+    data = json.loads(path.read_text())
+    assert data["parity"]["passed"]
+    assert data["versions"]["torch"] and data["versions"]["transformers"] and "commit" in data["commit"]
+    assert data["model_config"]["num_hidden_layers"] == 2
+    assert {(r["side"], r["routing"]) for r in data["rows"]} == {
+        ("hf", "real"), ("hf", "balanced"), ("moetune", "real"), ("moetune", "balanced")
+    }
+    for row in data["rows"]:
+        assert row["error"] is None and row["tokens_per_s_per_gpu"] > 0 and len(row["losses"]) == 2
+        assert row["tflops_per_gpu"] == row["tokens_per_s_per_gpu"] * data["flops_per_token"] / 1e12
+    losses = {r["side"]: r["losses"] for r in data["rows"] if r["routing"] == "real"}
+    assert abs(losses["hf"][0] - losses["moetune"][0]) < 0.05  # same weights, tokens and optimizer
+    assert len(data["comparison"]) == 2 and all(c["speedup"] > 0 for c in data["comparison"])
+    assert path.with_suffix(".png").is_file()
+    out = capsys.readouterr().out
+    assert "speed-up" in out and "parity vs fp32" in out
+    assert "tiny-2l" in summarize([str(path)])
+
+
+def test_a_failing_side_is_reported_not_fatal(tmp_path, monkeypatch):
+    from moetune.bench import cli
+
+    def broken(side, config, **kwargs):
+        raise RuntimeError("no such backend")
+
+    monkeypatch.setattr(cli, "build_side", broken)
+    code = main(["--config", "tiny", "--layers", "1", "--seq-len", "16", "--steps", "1", "--warmup", "0",
+                 "--device", "cpu", "--routing", "balanced", "--sides", "moetune", "--out", str(tmp_path / "r.json")])
+    assert code == 1
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["rows"][0]["error"].startswith("build failed: RuntimeError: no such backend")
