@@ -57,8 +57,13 @@ def build(side: str, layers: int, balanced: bool):
 
 
 def run(side: str, args) -> dict:
-    model = build(side, args.layers, args.routing == "balanced")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    model = build(side.split("+")[0], args.layers, args.routing == "balanced")
+    if side.endswith("+adamw"):  # moetune's AdamW kernel instead of torch's fused AdamW
+        from moetune.optim import AdamW
+
+        opt = AdamW(model.parameters(), lr=1e-5)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (args.micro_batch, args.seq_len), device="cuda", generator=gen)
 

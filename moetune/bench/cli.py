@@ -174,7 +174,7 @@ def _write(
 
 
 def _bench(args: argparse.Namespace, env: RunEnv, sides: list[str]) -> int:
-    model, config = load_config(args.config, layers=_layers(args))
+    model, config = load_config(args.config, layers=args.parity_layers if args.parity_only else _layers(args))
     routings = ["real", "balanced"] if args.routing == "both" else [args.routing]
     rows = make_rows(
         routings=routings, micro_batches=args.micro_batch, seq_len=args.seq_len,

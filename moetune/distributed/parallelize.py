@@ -156,11 +156,11 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
     check_unsharded(model)
     if any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("parallelize_for_options expects a model built on the meta device")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before the mesh: NCCL communicators bind to the current device
     mesh = build_mesh(
         ep_size=options.ep_size, device_mesh=options.device_mesh, num_experts=num_experts_of(model), device=device
     )
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     config = ParallelConfig(
         reshard_after_forward=options.reshard_after_forward,
         param_dtype=getattr(options, "param_dtype", None),

@@ -53,7 +53,13 @@ def find_linear_targets(model: nn.Module, target_modules: list[str]) -> dict[str
     for suffix in target_modules:
         if not any(_matches(name, suffix) for name in found):
             raise ValueError(f"LoraSettings.target_modules: no module name ends with {suffix!r}")
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    lm_head = get_output_embeddings() if callable(get_output_embeddings) else None
     for name, module in found.items():
+        if lm_head is not None and module is lm_head:
+            # moetune's fused LM-head loss reads lm_head.weight directly, so a forward hook would
+            # change generation but not the training loss.
+            raise ValueError(f"LoraSettings.target_modules: {name} is the LM head, which LoRA does not support")
         if not isinstance(module, nn.Linear):
             raise TypeError(
                 f"LoraSettings.target_modules: {name} is a {type(module).__name__}, not nn.Linear "

@@ -9,6 +9,7 @@ gradients equal those of the global loss exactly (no assumption of equal token c
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import traceback
@@ -44,9 +45,18 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
         dist.destroy_process_group()
 
 
+# Workers fork from one forkserver that imported torch / transformers / moetune once (a fresh
+# interpreter per worker spends ~10 s importing on a 2-core machine; plain fork after the parent
+# used OpenMP can hang).
+_PRELOAD = ["torch", "transformers", "moetune", "moetune.distributed", "tests.distributed.workers"]
+
+
 def spawn(fn, world_size: int, *args) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; re-raises a worker's failure."""
-    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    mp.start_processes(
+        _entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True, start_method="forkserver"
+    )
 
 
 def micro_batch(step: int, rank: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,9 +24,15 @@ def _patch_interpreter_index(monkeypatch: pytest.MonkeyPatch) -> None:
     if original is None:  # another Triton layout: run unpatched
         return
 
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    def index(self):
+        return int(self.handle.data.reshape(-1)[0])
+
+    def patch_lang_tensor(tensor, *scope):  # Triton >= 3.6 passes a scope that undoes the patch
+        original(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
 

@@ -143,6 +143,7 @@ def test_bf16_base_with_fp32_adapters(tokens):
     [
         (LoraSettings(target_modules=["qq_proj"]), ValueError, "no module name ends with 'qq_proj'"),
         (LoraSettings(target_modules=["experts"]), TypeError, "not nn.Linear"),
+        (LoraSettings(target_modules=["q_proj", "lm_head"]), ValueError, "lm_head is the LM head"),
     ],
 )
 def test_bad_targets_are_reported(settings, error, match):

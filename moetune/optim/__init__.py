@@ -1,0 +1,5 @@
+"""Optimizers: a fused-kernel AdamW with torch.optim.AdamW's semantics."""
+
+from moetune.optim.adamw import AdamW
+
+__all__ = ["AdamW"]

@@ -1,0 +1,45 @@
+"""moetune.optim.AdamW follows torch.optim.AdamW (CPU fallback exactly; CUDA kernel within bf16 rounding)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetune.optim import AdamW
+from tests.conftest import rel_err
+
+
+def _run(optimizer_cls, param, grads, **kwargs):
+    param = torch.nn.Parameter(param.clone())
+    optimizer = optimizer_cls([param], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **kwargs)
+    for grad in grads:
+        param.grad = grad.clone()
+        optimizer.step()
+    return param.detach(), optimizer.state[param]
+
+
+def test_cpu_matches_torch_adamw_exactly():
+    torch.manual_seed(0)
+    start, grads = torch.randn(64, 8), [torch.randn(64, 8) for _ in range(4)]
+    ours, state = _run(AdamW, start, grads)
+    ref, ref_state = _run(torch.optim.AdamW, start, grads)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    torch.testing.assert_close(state["exp_avg_sq"], ref_state["exp_avg_sq"], rtol=0, atol=0)
+    assert int(state["step"]) == 4
+
+
+def test_rejects_bad_hyperparameters():
+    with pytest.raises(ValueError, match="lr=-1"):
+        AdamW([torch.nn.Parameter(torch.zeros(2))], lr=-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernel)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_matches_torch_fused_adamw(dtype):
+    torch.manual_seed(0)
+    start = torch.randn(1 << 20, device="cuda").to(dtype)
+    grads = [torch.randn(1 << 20, device="cuda").to(dtype) for _ in range(3)]
+    ours, _ = _run(AdamW, start, grads)
+    ref, _ = _run(torch.optim.AdamW, start, grads, fused=True)
+    assert rel_err(ours.float(), ref.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
