@@ -16,4 +16,4 @@ export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/probe_h200_${SIDE}.log") 2>&1
 timeout 570 python -m moetune.bench --probe-max-seq --sides "$SIDE" --layers 8 --routing real \
   --activation-checkpointing on --probe-start "${START:-16384}" --probe-step 1024 \
-  --probe-max "${MAX:-262144}" --probe-timeout 240 --out "$OUT"
+  --probe-max "${MAX:-262144}" --probe-timeout 240 --probe-budget "${BUDGET_S:-420}" --out "$OUT"

@@ -97,16 +97,30 @@ def run(side: str, args) -> dict:
         "tokens_per_s": args.micro_batch * args.seq_len / (statistics.median(fwd_bwd) + statistics.median(optim)) * 1e3,
         "peak_gib": peak,
     }
+    if args.sync_debug:
+        import warnings
+
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")  # prints every host synchronisation with its stack
+        step()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.cpu_profile else [])
+        with profile(activities=activities) as prof:
             step()
             opt.step()
             opt.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
         print(f"==== {side}: top CUDA kernels of one step ====")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70))
+        if args.cpu_profile:
+            print(f"==== {side}: top CPU ops of one step ====")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=70))
     del model, opt
     torch.cuda.empty_cache()
     return result
@@ -123,6 +137,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--cpu-profile", action="store_true", help="also profile host-side ops")
+    parser.add_argument("--sync-debug", action="store_true", help="warn on every host sync during one step")
     args = parser.parse_args()
     results = [run(side, args) for side in args.sides.split(",")]
     for r in results:

@@ -10,7 +10,8 @@
 # Results (JSON + PNG per run, and this log) go to $OUT (default benchmarks/results).
 #
 #   OUT=/some/dir bash benchmarks/run_h200.sh
-#   BUDGET_S=420 (skip the optional rows once this many seconds have passed)
+#   BUDGET_S=330: rows B and C start only before this many seconds; LIMIT_S=570: hard stop
+#   EXTRA="--config tiny --device cpu --steps 2 --warmup 1": extra flags for every run (smoke test)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -20,8 +21,16 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MOETUNE_COMMIT="${MOETUNE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/run_h200.log") 2>&1
+LIMIT_S="${LIMIT_S:-570}"   # the whole script stays under this (a device call allows 600 s)
 status=0
-bench() { timeout "$1" python -m moetune.bench --out "$OUT" "${@:2}" || status=1; }
+marker="$(mktemp)"
+# bench SECONDS ARGS...: one python -m moetune.bench, killed after SECONDS or at the overall limit
+bench() {
+  local t=$(( $1 < LIMIT_S - SECONDS ? $1 : LIMIT_S - SECONDS ))
+  if (( t < 30 )); then echo "skipped (${SECONDS}s elapsed): ${*:2}"; status=1; return; fi
+  # shellcheck disable=SC2086  # EXTRA is a list of extra flags (e.g. a CPU smoke test: --config tiny --device cpu)
+  timeout "$t" python -m moetune.bench --out "$OUT" "${@:2}" ${EXTRA:-} || status=1
+}
 
 echo "== $(date -u +%FT%TZ) commit $MOETUNE_COMMIT"
 python - <<'PY'
@@ -56,5 +65,6 @@ else
 fi
 
 echo "== summary (${SECONDS}s)"
-python -m moetune.bench --summarize $(ls -t "$OUT"/*.json | head -n 8 | tac) || status=1
+mapfile -t results < <(find "$OUT" -maxdepth 1 -name '*.json' -newer "$marker" -printf '%T@ %p\n' | sort -n | cut -d' ' -f2-)
+if (( ${#results[@]} )); then python -m moetune.bench --summarize "${results[@]}" || status=1; fi
 exit $status

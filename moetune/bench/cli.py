@@ -78,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--probe-max", type=int, default=262144)
     g.add_argument("--probe-search", choices=("bisect", "linear"), default="bisect")
     g.add_argument("--probe-timeout", type=float, default=600.0, help="seconds per child process")
+    g.add_argument("--probe-budget", type=float, default=None, help="seconds after which no new length is tried")
     g.add_argument("--probe-child", choices=SIDES, default=None, help=argparse.SUPPRESS)
     p.add_argument("--summarize", nargs="+", metavar="JSON", help="print the tables of existing result files and exit")
     return p
@@ -284,6 +285,7 @@ def _probe(args: argparse.Namespace, env: RunEnv, sides: list[str]) -> int:
     data = _record(args, env, model=model, config=config, kind="probe")
     data["config"].update(routing=routing, micro_batch=[1], search=args.probe_search, step=args.probe_step)
     data["probe"] = {}
+    deadline = None if args.probe_budget is None else time.monotonic() + args.probe_budget
     for side in sides:
         best: dict[str, Any] | None = None
         for ac in _ac_values(args, "on"):
@@ -293,7 +295,7 @@ def _probe(args: argparse.Namespace, env: RunEnv, sides: list[str]) -> int:
             ]
             result = probe_side(
                 side=side, common_args=common, start=args.probe_start, step=args.probe_step,
-                maximum=args.probe_max, search=args.probe_search, timeout=args.probe_timeout,
+                maximum=args.probe_max, search=args.probe_search, timeout=args.probe_timeout, deadline=deadline,
             )
             result["activation_checkpointing"] = ac
             if best is None or (result["longest"] or 0) > (best["longest"] or 0):

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 RESULT_PREFIX = "PROBE_RESULT "
@@ -55,13 +56,18 @@ def probe_side(
     maximum: int,
     search: str,
     timeout: float,
+    deadline: float | None = None,
     log=print,
 ) -> dict[str, Any]:
+    """``deadline`` (time.monotonic()): no new length is tried after it; the bracket found so far is
+    reported with ``stopped_by: 'time budget'``."""
     if start < step or start % step or step < 1:
         raise ValueError(f"--probe-start ({start}) must be a positive multiple of --probe-step ({step})")
     attempts: list[dict[str, Any]] = []
 
     def attempt(seq_len: int) -> str:
+        if deadline is not None and time.monotonic() > deadline:
+            return "time budget"
         result = try_length(side=side, seq_len=seq_len, common_args=common_args, timeout=timeout)
         attempts.append(result)
         extra = f", step {result['step_s']:.2f} s, peak {result.get('peak_gib') or 0:.1f} GiB" if result["status"] == "ok" else ""
@@ -73,7 +79,10 @@ def probe_side(
     while seq_len <= maximum:  # linear steps, or doubling in bisect mode
         status = attempt(seq_len)
         if status != "ok":
-            first_failure, failure = seq_len, status
+            if status == "time budget":
+                failure = status
+            else:
+                first_failure, failure = seq_len, status
             break
         longest = seq_len
         seq_len = seq_len + step if search == "linear" else seq_len * 2

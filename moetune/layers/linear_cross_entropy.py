@@ -33,7 +33,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acc_dtype = torch.promote_types(w_VH.dtype, torch.float32)  # fp32 for bf16 models, fp64 stays fp64
         loss_sum = torch.zeros((), dtype=acc_dtype, device=h_TH.device)
         grad_h_TH = torch.empty_like(h_TH) if needs_h else None
-        grad_w_VH = torch.zeros(w_VH.shape, dtype=acc_dtype, device=w_VH.device) if needs_w else None
+        grad_w_VH = None
         for start in range(0, h_TH.shape[0], chunk_rows):
             h_CH = h_TH[start : start + chunk_rows]
             targets_C = targets_T[start : start + chunk_rows]
@@ -43,13 +43,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
             loss_sum += cross_entropy_grad_(logits_CV, targets_C, normalizer, ignore_index=ignore_index).sum()
             if not (needs_h or needs_w):
                 continue
-            # Both GEMMs run in the model dtype (tensor cores for bf16); the head's gradient is
-            # accumulated over chunks in fp32.
+            # Both GEMMs run in the model dtype on tensor cores with fp32 accumulation inside; the
+            # head's gradient is accumulated across the few chunks by the GEMM itself (beta=1),
+            # not through an fp32 buffer of the head's size.
             if needs_h:
                 grad_h_TH[start : start + chunk_rows] = logits_CV @ w_VH
             if needs_w:
-                grad_w_VH += logits_CV.t() @ h_CH
-        ctx.save_for_backward(grad_h_TH, grad_w_VH.to(w_VH.dtype) if needs_w else None)
+                if grad_w_VH is None:
+                    grad_w_VH = logits_CV.t() @ h_CH
+                else:
+                    grad_w_VH.addmm_(logits_CV.t(), h_CH)
+        ctx.save_for_backward(grad_h_TH, grad_w_VH)
         return loss_sum / normalizer
 
     @staticmethod

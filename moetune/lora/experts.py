@@ -29,6 +29,7 @@ from moetune.lora.init import reset_adapter_
 
 _SCALING = "lora_scaling"
 _TARGETS = "_moetune_lora_targets"
+_IS_LORA_CLASS = "_moetune_lora_class"
 
 
 def lora_a_name(param_name: str) -> str:
@@ -115,7 +116,14 @@ def remove_expert_adapters(module: nn.Module) -> None:
     for name in adapted_params(module):
         del module._parameters[lora_a_name(name)]
         del module._parameters[lora_b_name(name)]
-    module.__class__ = module.__class__.__bases__[0]
+    lora_class = type(module)
+    if not lora_class.__dict__.get(_IS_LORA_CLASS, False):
+        # e.g. fully_shard swapped in its own subclass after apply_lora; undoing ours would drop that.
+        raise NotImplementedError(
+            f"cannot remove LoRA from a {lora_class.__name__}: the module was wrapped after apply_lora; "
+            "merge or remove adapters before wrapping (or on an unwrapped copy)"
+        )
+    module.__class__ = lora_class.__bases__[0]
     delattr(module, _TARGETS)
     delattr(module, _SCALING)
 
@@ -135,8 +143,9 @@ def _adapted_weight(module: nn.Module, name: str) -> torch.Tensor:
 # Cached so every adapted module of one class shares one subclass (one torch.compile guard, not one per layer).
 @functools.cache
 def _lora_class(base: type[nn.Module], param_names: tuple[str, ...]) -> type[nn.Module]:
-    namespace = {
+    namespace: dict[str, object] = {
         name: property(functools.partial(_adapted_weight, name=name), doc=f"{name} with its LoRA delta")
         for name in param_names
     }
+    namespace[_IS_LORA_CLASS] = True
     return type(f"Lora{base.__name__}", (base,), namespace)

@@ -36,3 +36,12 @@ def test_stops_on_errors_that_are_not_oom(monkeypatch):
         side="moetune", common_args=[], start=1024, step=1024, maximum=8192, search="bisect", timeout=1, log=lambda _: None
     )
     assert result["longest"] is None and result["stopped_by"] == "error" and len(result["attempts"]) == 1
+
+
+def test_time_budget_stops_launching_children(monkeypatch):
+    monkeypatch.setattr(probe, "try_length", lambda **kw: {"seq_len": kw["seq_len"], "status": "ok", "step_s": 0.1})
+    result = probe.probe_side(
+        side="hf", common_args=[], start=1024, step=1024, maximum=1 << 20, search="linear", timeout=1,
+        deadline=0.0, log=lambda _: None,
+    )
+    assert result == {"longest": None, "first_failure": None, "stopped_by": "time budget", "attempts": []}

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from moetune.lora import LoraSettings, apply_lora, lora_parameters, merge_lora
+from moetune.lora import LoraSettings, apply_lora, lora_parameters, merge_lora, remove_lora
 
 from .helpers import build_moetune_model, randomize_adapters, tiny_qwen3_moe_config
 
@@ -32,18 +32,21 @@ def test_lora_matches_merged_copy_on_gpu_bf16():
     apply_lora(model, LoraSettings(rank=4, alpha=8))
     randomize_adapters(model)
     merged = merge_lora(copy.deepcopy(model))
+    base = remove_lora(copy.deepcopy(model))
     tokens = torch.randint(0, config.vocab_size, (2, 64), device="cuda")
 
+    # bf16 noise is compared with the adapters' effect: a bypassed adapter would be as large as that.
     with torch.no_grad():
-        assert _mean_rel(model(tokens).logits, merged(tokens).logits) < 2e-2
+        logits, merged_logits, base_logits = (m(tokens).logits for m in (model, merged, base))
+    assert _mean_rel(logits, merged_logits) < 0.1 * _mean_rel(base_logits, merged_logits)
 
     # Training mode with labels takes the fused LM-head loss path.
-    model.train()
-    merged.train()
+    for m in (model, merged, base):
+        m.train()
     loss = model(tokens, labels=tokens).loss
     with torch.no_grad():
-        merged_loss = merged(tokens, labels=tokens).loss
-    assert abs(loss.item() - merged_loss.item()) < 2e-2 * merged_loss.item()
+        merged_loss, base_loss = (m(tokens, labels=tokens).loss.item() for m in (merged, base))
+    assert abs(loss.item() - merged_loss) < 0.1 * abs(base_loss - merged_loss)
     loss.backward()
     for name, param in lora_parameters(model):
         assert param.grad is not None and torch.isfinite(param.grad).all(), name

@@ -1,0 +1,74 @@
+"""Checkpoints: exact resume, atomic writes, keep-last-N, refusals, NaN stop, Ctrl-C."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import pytest
+
+from moetune.recipe import checkpointing, train
+from moetune.recipe.train import NonFiniteLossError, finetune
+
+
+def test_resume_reproduces_the_uninterrupted_losses(tiny_job, tmp_path):
+    full = finetune(tiny_job(tmp_path / "full", training__steps=6))
+    first = finetune(tiny_job(tmp_path / "split", training__steps=3, checkpoint__every=3))
+    assert first.losses == full.losses[:3]
+    resumed = finetune(tiny_job(tmp_path / "split", training__steps=6, checkpoint__resume="auto"))
+    assert resumed.losses == full.losses[3:]  # bit-identical: model, optimizer, lr, data, RNG
+
+
+def test_checkpoints_are_atomic_and_only_the_last_n_are_kept(tiny_job, tmp_path):
+    out = tmp_path / "ck"
+    finetune(tiny_job(out, training__steps=5, checkpoint__every=1, checkpoint__keep_last=2))
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_00000004", "step_00000005"]  # no .tmp_* left behind
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(tiny_job, tmp_path):
+    out = tmp_path / "ck"
+    finetune(tiny_job(out, training__steps=2, checkpoint__every=2))
+    other = tmp_path / "other_model"
+    other.mkdir()
+    (other / "config.json").write_text(
+        (tiny_job().model.config_path + "/config.json") and open(tiny_job().model.config_path + "/config.json")
+        .read().replace('"hidden_size": 128', '"hidden_size": 64'))
+    with pytest.raises(ValueError, match="different model; hidden_size: checkpoint 128, this job 64"):
+        finetune(tiny_job(out, training__steps=4, checkpoint__resume="auto", model__config_path=other))
+
+
+def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tiny_job, tmp_path, monkeypatch):
+    out = tmp_path / "nan"
+    real_step = train.train_step
+    calls = {"n": 0}
+
+    def poisoned(model, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:  # poison the weights: the next loss is NaN
+            next(model.parameters()).data.fill_(math.nan)
+        return real_step(model, *args, **kwargs)
+
+    monkeypatch.setattr(train, "train_step", poisoned)
+    with pytest.raises(NonFiniteLossError, match=r"step 3: loss nan.*last good checkpoint is .*step_00000002"):
+        finetune(tiny_job(out, training__steps=5, checkpoint__every=2))
+    assert [p.name for p in checkpointing.list_checkpoints(str(out))] == ["step_00000002"]
+
+
+def test_ctrl_c_saves_a_checkpoint_before_exiting(tiny_job, tmp_path, monkeypatch):
+    out = tmp_path / "sigint"
+    real_step = train.train_step
+    calls = {"n": 0}
+
+    def interrupted(*args, **kwargs):
+        calls["n"] += 1
+        result = real_step(*args, **kwargs)
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # as if the user pressed Ctrl-C during step 2
+        return result
+
+    monkeypatch.setattr(train, "train_step", interrupted)
+    result = finetune(tiny_job(out, training__steps=10))
+    assert result.interrupted and result.step == 2
+    assert [p.name for p in checkpointing.list_checkpoints(str(out))] == ["step_00000002"]
