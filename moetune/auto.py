@@ -17,6 +17,7 @@ import transformers
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from moetune.checkpoint import list_checkpoint_tensors, load_checkpoint, plan_checkpoint_load
+from moetune.integrations import IMPLEMENTATION_NAME, register_moetune_experts
 from moetune.models import family_for, set_moe_options
 from moetune.options import MoetuneOptions
 
@@ -34,6 +35,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         family = family_for(config)
         if family is None:
             _check_fallback_options(config, options)
+            _prefer_moetune_experts(config, kwargs)
             return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
         kwargs.setdefault("attn_implementation", "sdpa")
         if options.distributed:
@@ -71,6 +73,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         family = family_for(config)
         if family is None:
             _check_fallback_options(config, options)
+            _prefer_moetune_experts(config, fallback_kwargs)
             fallback_kwargs["config"] = config
             for key in list(fallback_kwargs):
                 if hasattr(config, key) and key not in HUB_KWARGS:
@@ -207,6 +210,17 @@ def _generation_config(folder: Path, model, explicit: GenerationConfig | None) -
     if (folder / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(folder)
     return GenerationConfig.from_model_config(model.config)
+
+
+def _prefer_moetune_experts(config: PretrainedConfig, kwargs: dict[str, Any]) -> None:
+    """Fallback MoE models that use Transformers' experts interface get moetune's experts path on
+    CUDA (on CPU Transformers' default stays: its results are the reference)."""
+    if "experts_implementation" in kwargs or not torch.cuda.is_available():
+        return
+    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    if model_class is not None and model_class._can_set_experts_implementation():
+        register_moetune_experts()
+        kwargs["experts_implementation"] = IMPLEMENTATION_NAME
 
 
 def _check_fallback_options(config: PretrainedConfig, options: MoetuneOptions) -> None:

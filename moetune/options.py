@@ -19,6 +19,15 @@ class MoetuneOptions:
     """'auto' (grouped GEMM on CUDA bf16, per-expert loop elsewhere), 'grouped_mm' or 'loop'."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after each layer's forward (saves memory, regathers in backward)."""
+    param_dtype: Any = None
+    """FSDP2 mixed precision (with ep_size / device_mesh): compute dtype of the gathered parameters,
+    e.g. torch.bfloat16 over fp32 weights; None keeps the weights' dtype."""
+    reduce_dtype: Any = "float32"
+    """FSDP2 mixed precision: dtype of the gradient reduce-scatter; None: the compute dtype."""
+    ep_capacity_factor: float | None = None
+    """Expert parallelism: None sends exactly the routed rows (one host sync per MoE layer for the
+    split sizes); a number sends fixed blocks of ceil(factor x rows / ep_size) rows to each rank, with
+    no host sync; rows beyond it are dropped, never when factor >= ep_size."""
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> MoetuneOptions:

@@ -1,12 +1,13 @@
 """Expert parallelism + FSDP2 on one device mesh; see README.md."""
 
 from moetune.distributed.checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
-from moetune.distributed.dispatcher import ExpertParallelDispatcher, all_to_all
+from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher, all_to_all
 from moetune.distributed.grad_norm import clip_grad_norm_, total_grad_norm
 from moetune.distributed.mesh import FLAT_DIM_NAME, MESH_DIM_NAMES, ParallelMesh, build_mesh
 from moetune.distributed.parallelize import ParallelConfig, parallelize, parallelize_for_options
 
 __all__ = [
+    "CapacityExpertParallelDispatcher",
     "FLAT_DIM_NAME",
     "MESH_DIM_NAMES",
     "ExpertParallelDispatcher",

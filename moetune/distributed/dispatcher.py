@@ -4,9 +4,11 @@ and the reverse for combine.
 Implements ``moetune.moe.TokenDispatcher``; ``MoEBlock`` and ``GroupedExperts`` are unchanged. A fused /
 overlapped dispatcher or a DeepEP backend replaces this class, nothing else.
 
-Host synchronisation: exactly one per MoE layer and step (forward), in ``dispatch``: the all-to-all
-of the rows needs its split sizes on the host (``_exchange_counts``). Combine and the backward
-reuse them. (The CPU / ``loop`` experts path adds its own sync for per-expert sizes.)
+Host synchronisation: ``ExpertParallelDispatcher`` has exactly one per MoE layer and forward, in
+``dispatch``: the all-to-all of the rows needs its split sizes on the host (``_exchange_counts``);
+combine and the backward reuse them. ``CapacityExpertParallelDispatcher`` has none: fixed-size
+blocks per peer (``ep_capacity_factor``). (The CPU / ``loop`` experts path adds its own sync for
+per-expert sizes.)
 
 Shape legend: T tokens on this rank, H hidden, K experts per token, N = T*K routed rows sent,
 M rows received, E experts in the model, L = E / ep experts on this rank, R = ep ranks.
@@ -14,12 +16,13 @@ M rows received, E experts in the model, L = E / ep experts on this rank, R = ep
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from moetune.moe.dispatch import PermutationState, permute, unpermute
+from moetune.moe.dispatch import PermutationState, permute, tokens_per_expert, unpermute
 from moetune.moe.routing import Routing
 
 
@@ -113,3 +116,69 @@ class ExpertParallelDispatcher:
 
     def __repr__(self) -> str:
         return f"ExpertParallelDispatcher(ep_size={self.ep_size})"
+
+
+@dataclass
+class CapacityState:
+    local: PermutationState
+    sort_M: torch.Tensor
+    slot_N: torch.Tensor
+    """Send-buffer row of each routed row; ``ep * capacity`` (a trash row) for dropped rows."""
+    kept_N: torch.Tensor
+
+
+class CapacityExpertParallelDispatcher:
+    """Expert parallelism without a host sync: every rank sends each peer a fixed ``capacity`` rows.
+
+    ``capacity = ceil(capacity_factor * T*K / ep)``; with ``capacity_factor >= ep`` no row is ever
+    dropped (results equal ``ExpertParallelDispatcher``'s) at the cost of buffers and expert rows
+    ep times the average. Rows over capacity are dropped: their expert output is zero (the token
+    keeps its other experts and the residual). Padding rows are zeros, counted under the last
+    local expert so the experts' row counts add up (zero in -> zero out for bias-free experts; in
+    any case their outputs are never gathered back).
+    """
+
+    def __init__(self, *, group: dist.ProcessGroup, ep_size: int, capacity_factor: float) -> None:
+        if capacity_factor <= 0:
+            raise ValueError(f"ep capacity_factor must be positive, got {capacity_factor}")
+        self.group = group
+        self.ep_size = ep_size
+        self.capacity_factor = capacity_factor
+
+    def dispatch(self, x_TH: torch.Tensor, routing: Routing, *, num_experts: int):
+        x_NH, counts_E, local = permute(x_TH, routing, num_experts=num_experts)
+        num_rows, num_local, ep = x_NH.shape[0], num_experts // self.ep_size, self.ep_size
+        capacity = max(1, math.ceil(self.capacity_factor * num_rows / ep))
+        expert_N = routing.experts_TK.reshape(-1).index_select(0, local.order_N)
+        dest_N = torch.div(expert_N, num_local, rounding_mode="floor")
+        rows_R = counts_E.view(ep, num_local).sum(dim=1)
+        start_R = torch.cumsum(rows_R, dim=0) - rows_R
+        position_N = torch.arange(num_rows, device=x_NH.device) - start_R.index_select(0, dest_N)
+        kept_N = position_N < capacity
+        trash = ep * capacity
+        slot_N = torch.where(kept_N, dest_N * capacity + position_N, torch.full_like(position_N, trash))
+        send_SH = x_NH.new_zeros(trash + 1, x_NH.shape[1]).index_copy(0, slot_N, x_NH)[:trash]
+        meta_S = torch.full((trash + 1,), num_local, dtype=torch.int64, device=x_NH.device)
+        meta_S = meta_S.index_copy(0, slot_N, expert_N % num_local)[:trash]
+        splits = [capacity] * ep
+        x_MH = all_to_all(send_SH, output_splits=splits, input_splits=splits, group=self.group)
+        expert_M = torch.empty_like(meta_S)
+        dist.all_to_all_single(expert_M, meta_S, group=self.group)
+        sort_M = torch.argsort(expert_M, stable=True)  # padding (id num_local) last
+        counts_L = tokens_per_expert(expert_M, num_local + 1)
+        counts_L = counts_L[:num_local].clone()
+        counts_L[-1] += trash - counts_L.sum()
+        x_sorted_MH = _ScaleGrad.apply(x_MH.index_select(0, sort_M), float(ep))
+        return x_sorted_MH, counts_L, CapacityState(local, sort_M, slot_N, kept_N)
+
+    def combine(self, y_MH: torch.Tensor, state: CapacityState) -> torch.Tensor:
+        y_MH = _ScaleGrad.apply(y_MH, 1.0 / self.ep_size)  # see ExpertParallelDispatcher.combine
+        y_received_MH = torch.empty_like(y_MH).index_copy(0, state.sort_M, y_MH)
+        splits = [y_MH.shape[0] // self.ep_size] * self.ep_size
+        y_SH = all_to_all(y_received_MH, output_splits=splits, input_splits=splits, group=self.group)
+        y_NH = y_SH.index_select(0, state.slot_N.clamp(max=y_SH.shape[0] - 1))
+        y_NH = torch.where(state.kept_N.unsqueeze(-1), y_NH, torch.zeros_like(y_NH))
+        return unpermute(y_NH, state.local)
+
+    def __repr__(self) -> str:
+        return f"CapacityExpertParallelDispatcher(ep_size={self.ep_size}, capacity_factor={self.capacity_factor})"

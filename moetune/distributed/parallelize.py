@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from moetune.distributed.dispatcher import ExpertParallelDispatcher
+from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
 from moetune.distributed.mesh import ParallelMesh, build_mesh, rank_device, require_process_group
 from moetune.moe import GroupedExperts, MoEBlock
 
@@ -43,6 +43,9 @@ class ParallelConfig:
     """Recompute each decoder layer in backward (non-reentrant; routing is recomputed identically)."""
     compile: bool = False
     """``torch.compile`` each decoder layer (graph breaks at the dispatcher's collectives)."""
+    ep_capacity_factor: float | None = None
+    """None: exact all-to-all splits (one host sync per MoE layer). A number: fixed per-peer buffers of
+    ceil(factor * routed rows / ep) rows, no host sync; >= ep never drops a token (see dispatcher.py)."""
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
@@ -77,7 +80,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) ->
     """EP -> activation checkpointing -> compile -> FSDP2, in place; parameters stay on the meta device."""
     check_unsharded(model)
     if mesh.ep_size > 1:
-        apply_expert_parallel(model, mesh)
+        apply_expert_parallel(model, mesh, capacity_factor=config.ep_capacity_factor)
     if config.activation_checkpointing:
         apply_activation_checkpointing(model)
     if config.compile:
@@ -87,10 +90,15 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) ->
     return model
 
 
-def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
+def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, *, capacity_factor: float | None = None) -> None:
     """Experts' 3-D weights become DTensors ``Shard(0)`` over ``ep``; each MoE block gets the all-to-all dispatcher."""
     ep_mesh, ep_size = mesh.ep, mesh.ep_size
-    dispatcher = ExpertParallelDispatcher(group=ep_mesh.get_group(), ep_size=ep_size)
+    if capacity_factor is None:
+        dispatcher = ExpertParallelDispatcher(group=ep_mesh.get_group(), ep_size=ep_size)
+    else:
+        dispatcher = CapacityExpertParallelDispatcher(
+            group=ep_mesh.get_group(), ep_size=ep_size, capacity_factor=capacity_factor
+        )
     for block in moe_blocks(model):
         experts = block.experts
         if not isinstance(experts, GroupedExperts):
@@ -156,22 +164,40 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
     check_unsharded(model)
     if any(p.device.type != "meta" for p in model.parameters()):
         raise ValueError("parallelize_for_options expects a model built on the meta device")
+    config = ParallelConfig(
+        reshard_after_forward=options.reshard_after_forward,
+        param_dtype=_dtype(getattr(options, "param_dtype", None), "param_dtype"),
+        reduce_dtype=_dtype(getattr(options, "reduce_dtype", torch.float32), "reduce_dtype"),
+        activation_checkpointing=bool(getattr(options, "activation_checkpointing", False)),
+        compile=bool(getattr(options, "compile", False)),
+        ep_capacity_factor=_capacity_factor(getattr(options, "ep_capacity_factor", None)),
+    )
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the mesh: NCCL communicators bind to the current device
     mesh = build_mesh(
         ep_size=options.ep_size, device_mesh=options.device_mesh, num_experts=num_experts_of(model), device=device
     )
-    config = ParallelConfig(
-        reshard_after_forward=options.reshard_after_forward,
-        param_dtype=getattr(options, "param_dtype", None),
-        reduce_dtype=getattr(options, "reduce_dtype", torch.float32),
-        activation_checkpointing=bool(getattr(options, "activation_checkpointing", False)),
-        compile=bool(getattr(options, "compile", False)),
-    )
     parallelize(model, mesh, config)
     allocate(model, device, init_weights=init_weights)
     model.parallel_mesh = mesh
     return model
+
+
+def _capacity_factor(value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"ep_capacity_factor must be a positive number or None, got {value!r}")
+    return float(value)
+
+
+def _dtype(value, name: str) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    resolved = getattr(torch, value, None) if isinstance(value, str) else None
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(f"{name} must be a floating torch dtype (or its name) or None, got {value!r}")
+    return resolved
 
 
 def allocate(model: nn.Module, device: torch.device, *, init_weights: bool) -> None:

@@ -74,41 +74,58 @@ class GroupedExperts(nn.Module):
     def in_proj(self) -> torch.Tensor:
         return self.gate_up_proj if self.gated else self.up_proj
 
-    def _activate(self, h_NX: torch.Tensor) -> torch.Tensor:
-        if self.gated and self.activation == "silu":
-            return swiglu(h_NX)
-        if self.gated:
-            gate, up = h_NX.chunk(2, dim=-1)
-            return self._act(gate) * up
-        return self._act(h_NX)
-
     def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        in_proj, down_proj = _local(self.in_proj), _local(self.down_proj)
-        use_grouped = self.backend == "grouped_mm" or (self.backend == "auto" and grouped_mm_supported(x_NH))
-        if use_grouped:
-            offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
-            h_NX = _grouped_mm(x_NH.to(in_proj.dtype), in_proj.transpose(-2, -1), offs=offsets_E)
-            return _grouped_mm(self._activate(h_NX), down_proj.transpose(-2, -1), offs=offsets_E)
-        return self._forward_loop(x_NH, tokens_per_expert_E, in_proj, down_proj)
+        return run_experts(
+            x_NH,
+            tokens_per_expert_E,
+            _local(self.in_proj),
+            _local(self.down_proj),
+            activate=self._activate,
+            backend=self.backend,
+        )
 
-    def _forward_loop(self, x_NH, tokens_per_expert_E, in_proj, down_proj) -> torch.Tensor:
-        # One host sync for the split sizes; used on CPU and as the reference path.
-        counts = tokens_per_expert_E.tolist()
-        outputs = []
-        for expert, rows_NH in enumerate(torch.split(x_NH, counts)):
-            if rows_NH.shape[0] == 0:
-                continue
-            h = self._activate(F.linear(rows_NH, in_proj[expert]))
-            outputs.append(F.linear(h, down_proj[expert]))
-        if not outputs:
-            return x_NH.new_zeros(0, self.hidden_size) + 0 * (in_proj.sum() + down_proj.sum())
-        return torch.cat(outputs)
+    def _activate(self, h_NX: torch.Tensor) -> torch.Tensor:
+        return gated_activation(h_NX, self._act, swiglu_kernel=self.activation == "silu") if self.gated else self._act(h_NX)
 
     def extra_repr(self) -> str:
         return (
             f"experts={self.num_experts}, hidden={self.hidden_size}, width={self.intermediate_size}, "
             f"activation={self.activation}, gated={self.gated}, backend={self.backend}"
         )
+
+
+def gated_activation(h_NX: torch.Tensor, act, *, swiglu_kernel: bool) -> torch.Tensor:
+    """act(gate) * up for h = [gate | up]; SiLU goes through the fused SwiGLU kernel."""
+    if swiglu_kernel:
+        return swiglu(h_NX)
+    gate, up = h_NX.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+def run_experts(
+    x_NH: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    in_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    activate,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """down_e(activate(in_e(x))) for rows sorted by expert e; weights [E, out, in] (nn.Linear layout)."""
+    if backend == "grouped_mm" or (backend == "auto" and grouped_mm_supported(x_NH)):
+        # No host sync: the group boundaries stay on the device.
+        offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
+        h_NX = _grouped_mm(x_NH.to(in_proj.dtype), in_proj.transpose(-2, -1), offs=offsets_E)
+        return _grouped_mm(activate(h_NX), down_proj.transpose(-2, -1), offs=offsets_E)
+    # One host sync for the split sizes; used on CPU and as the reference path.
+    outputs = [
+        F.linear(activate(F.linear(rows_NH, in_proj[expert])), down_proj[expert])
+        for expert, rows_NH in enumerate(torch.split(x_NH, tokens_per_expert_E.tolist()))
+        if rows_NH.shape[0] > 0
+    ]
+    if not outputs:  # keep the weights in the graph so every rank's backward has the same shape
+        return x_NH.new_zeros(0, down_proj.shape[1]) + 0 * (in_proj.sum() + down_proj.sum())
+    return torch.cat(outputs)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

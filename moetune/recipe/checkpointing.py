@@ -11,13 +11,15 @@ under a real name. The learning rate is a function of the step and needs no stat
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -57,7 +59,8 @@ def save_checkpoint(*, output_dir: str, state: TrainState, model: torch.nn.Modul
         tmp.mkdir(parents=True)
     barrier(runtime)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+    with _single_process_quiet(runtime):
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
     torch.save(_rng_state(), tmp / f"rng_rank{runtime.rank}.pt")
     barrier(runtime)
     if runtime.is_main:
@@ -111,10 +114,20 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
                          f"{runtime.world_size}; the data order would differ, so the resume would not be exact")
     model_sd, optim_sd = get_state_dict(model, optimizer)
     both = {"model": model_sd, "optim": optim_sd}
-    dcp.load(both, checkpoint_id=str(path / "state"))
+    with _single_process_quiet(runtime):
+        dcp.load(both, checkpoint_id=str(path / "state"))
     set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
     _set_rng_state(torch.load(path / f"rng_rank{runtime.rank}.pt", weights_only=False))
     return state
+
+
+@contextlib.contextmanager
+def _single_process_quiet(runtime: Runtime) -> Iterator[None]:
+    """DCP warns that it runs without a process group; in one process that is the intent."""
+    with warnings.catch_warnings():
+        if not runtime.distributed:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _rng_state() -> dict[str, Any]:

@@ -27,15 +27,24 @@ def checkpoint(tmp_path_factory):
     return str(save_per_expert_checkpoint(model, tmp_path_factory.mktemp("ckpt")))
 
 
+@pytest.fixture(scope="module")
+def two_experts_checkpoint(tmp_path_factory):
+    """Two experts (top-2): with ep=2 on four ranks each expert is FSDP-sharded on its second dim."""
+    torch.manual_seed(1)
+    config = tiny_qwen3_moe_config(vocab_size=64, output_router_logits=False, num_experts=2, num_experts_per_tok=2)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    return str(save_per_expert_checkpoint(model, tmp_path_factory.mktemp("ckpt2")))
+
+
 def test_two_processes(checkpoint, tmp_path):
     """ep=2: SGD steps + clipping + AdamW equal one process; EP save equals the single-process save;
     DCP resume; activation checkpointing; a user's (2, 1) mesh; unsharded without ep_size."""
     spawn(workers.two_process_suite, 2, checkpoint, str(tmp_path))
 
 
-def test_four_processes(checkpoint, tmp_path):
-    """ep=4 and ep=2 x dp_shard_mod_ep=2: training parity and save equality."""
-    spawn(workers.four_process_suite, 4, checkpoint, str(tmp_path))
+def test_four_processes(checkpoint, two_experts_checkpoint, tmp_path):
+    """ep=4 and ep=2 x dp_shard_mod_ep=2: training parity and save equality; Shard(1) experts."""
+    spawn(workers.four_process_suite, 4, checkpoint, two_experts_checkpoint, str(tmp_path))
 
 
 def test_bad_inputs(checkpoint):

@@ -54,6 +54,10 @@ def _check_layout(model, world_size: int, ep: int) -> None:
         assert type(block.dispatcher).__name__ == ("ExpertParallelDispatcher" if ep > 1 else "LocalTokenDispatcher")
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), f"{name} is not sharded"
+    # Each rank holds (and read from the checkpoint) about 1 / world of the model.
+    local = sum(p.to_local().numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    assert local <= total / world_size * 1.05, (local, total)
 
 
 def _compare_grads(model, ref, *, what: str) -> None:
@@ -205,12 +209,96 @@ def two_process_suite(rank: int, world_size: int, folder: str, out: str) -> None
     one_step_parity(rank, world_size, folder, what="ep=2 + activation checkpointing", ep_size=2, enable_ac=True)
     # A user's mesh; ep = 1 over it is plain FSDP2 over both ranks.
     one_step_parity(rank, world_size, folder, what="user mesh (2, 1)", device_mesh=_mesh(2, 1))
+    mixed_precision_and_from_config(rank, world_size, folder)
+    # Capacity-padded dispatch: with factor >= ep nothing is dropped, so it is exact too.
+    one_step_parity(rank, world_size, folder, what="ep=2, capacity 2.0", ep_size=2, ep_capacity_factor=2.0)
+    dispatchers(rank, world_size)
 
 
-def four_process_suite(rank: int, world_size: int, folder: str, out: str) -> None:
+def dispatchers(rank: int, world_size: int) -> None:
+    """The dispatchers alone: round trip through an elementwise 'expert' equals the local dispatcher's;
+    the capacity dispatcher never asks the host for a value; a small capacity drops rows, not tokens."""
+    from moetune.distributed import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
+    from moetune.moe import LocalTokenDispatcher, Routing
+
+    gen = torch.Generator().manual_seed(rank)
+    num_tokens, hidden, num_experts, top_k = 12, 4, 8, 2
+    x = torch.randn(num_tokens, hidden, generator=gen, requires_grad=True)
+    experts = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    experts[: num_tokens // 2, 0] = 0  # skew the load towards rank 0's experts
+    routing = Routing(torch.zeros(num_tokens, num_experts), torch.rand(num_tokens, top_k, generator=gen), experts)
+
+    def round_trip(dispatcher):
+        rows, counts, state = dispatcher.dispatch(x, routing, num_experts=num_experts)
+        return dispatcher.combine(rows * 2.0, state), counts
+
+    expected, _ = round_trip(LocalTokenDispatcher())
+    group = dist.group.WORLD
+    exact, counts = round_trip(ExpertParallelDispatcher(group=group, ep_size=world_size))
+    assert int(counts.sum()) > 0
+    torch.testing.assert_close(exact, expected)
+    grad_exact = torch.autograd.grad(exact.sum(), x)[0]
+    torch.testing.assert_close(grad_exact, torch.autograd.grad(expected.sum(), x)[0])
+
+    def no_host_sync(*_args, **_kwargs):
+        raise AssertionError("host sync in the capacity dispatcher")
+
+    saved = torch.Tensor.tolist, torch.Tensor.item
+    torch.Tensor.tolist = torch.Tensor.item = no_host_sync
+    try:
+        padded, _ = round_trip(CapacityExpertParallelDispatcher(group=group, ep_size=world_size, capacity_factor=2.0))
+        dropping, _ = round_trip(CapacityExpertParallelDispatcher(group=group, ep_size=world_size, capacity_factor=0.5))
+    finally:
+        torch.Tensor.tolist, torch.Tensor.item = saved
+    torch.testing.assert_close(padded, expected)
+    torch.testing.assert_close(torch.autograd.grad(padded.sum(), x)[0], grad_exact)
+    # Rank 0's experts get more than capacity rows from every rank: some (token, expert) pairs drop.
+    dropped = (dropping - expected).abs().sum(dim=1) > 1e-6
+    flag = dropped.any().float()
+    dist.all_reduce(flag)
+    assert flag.item() > 0, "capacity 0.5 dropped nothing"
+
+
+def mixed_precision_and_from_config(rank: int, world_size: int, folder: str) -> None:
+    """bf16 compute over fp32 weights (FSDP2 MixedPrecisionPolicy) stays close to fp32; from_config
+    under EP initialises the sharded weights with Transformers' scheme."""
+    vocab = 64
+    model = _load(folder, ep_size=2, param_dtype=torch.bfloat16, reduce_dtype="float32")
+    ref = _load(folder)
+    loss = distributed_loss(model, 0, rank, world_size, vocab)
+    loss.backward()
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    expected = reference_loss(ref, 0, world_size, vocab).item()
+    got = global_loss_value(loss, world_size)
+    assert abs(got - expected) < 2e-2 * abs(expected), f"bf16 compute: loss {got} vs {expected}"
+
+    from tests.conftest import tiny_qwen3_moe_config
+
+    config = tiny_qwen3_moe_config(vocab_size=64, output_router_logits=False)
+    torch.manual_seed(0)
+    fresh = moetune.AutoModelForCausalLM.from_config(config, ep_size=2)
+    _check_layout(fresh, world_size, 2)
+    std = config.initializer_range
+    for name, param in fresh.named_parameters():
+        full = gathered(param.data)
+        assert torch.isfinite(full).all(), name
+        if name.endswith(("gate_up_proj", "down_proj", "q_proj.weight", "gate.weight")):
+            assert 0.5 * std < full.std().item() < 1.5 * std, f"{name}: std {full.std().item()}"
+    fresh.train()
+    distributed_loss(fresh, 0, rank, world_size, vocab).backward()
+
+
+def four_process_suite(rank: int, world_size: int, folder: str, two_experts_folder: str, out: str) -> None:
     assert world_size == 4
     train_parity(rank, world_size, folder, 4, out)
     train_parity(rank, world_size, folder, 2, out)  # ep 2 x dp_shard_mod_ep 2
+    # One expert per ep rank and two ranks to shard it over: FSDP2 shards experts on dim 1.
+    model = _load(two_experts_folder, ep_size=2)
+    placements = [m.experts.gate_up_proj.placements for m in model.modules() if isinstance(m, MoEBlock)]
+    assert all(p[0].dim == 1 for p in placements), placements
+    del model
+    one_step_parity(rank, world_size, two_experts_folder, what="2 experts, ep=2 x dp 2 (Shard(1))", ep_size=2)
+    _check_save_equal(_load(two_experts_folder, ep_size=2), _load(two_experts_folder), Path(out) / "two", rank)
 
 
 def bad_inputs(rank: int, world_size: int, folder: str) -> None:

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from moetune.recipe.config import DEFAULT_ASSETS, JobConfig
+from moetune.recipe.config import JobConfig
 from moetune.recipe.config_loading import load_config
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def shipped_rows(name: str, n: int) -> list[dict]:
-    lines = (DEFAULT_ASSETS / "data" / name).read_text().splitlines()[:n]
-    return [json.loads(line) for line in lines]
+from recipe_helpers import shipped_rows, write_jsonl
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import signal
 import pytest
 
 from moetune.recipe import checkpointing, train
+from moetune.recipe.config import DEFAULT_ASSETS
 from moetune.recipe.train import NonFiniteLossError, finetune
 
 
@@ -32,9 +33,8 @@ def test_resume_refuses_a_checkpoint_of_another_model(tiny_job, tmp_path):
     finetune(tiny_job(out, training__steps=2, checkpoint__every=2))
     other = tmp_path / "other_model"
     other.mkdir()
-    (other / "config.json").write_text(
-        (tiny_job().model.config_path + "/config.json") and open(tiny_job().model.config_path + "/config.json")
-        .read().replace('"hidden_size": 128', '"hidden_size": 64'))
+    shipped = (DEFAULT_ASSETS / "model" / "config.json").read_text()
+    (other / "config.json").write_text(shipped.replace('"hidden_size": 128', '"hidden_size": 64'))
     with pytest.raises(ValueError, match="different model; hidden_size: checkpoint 128, this job 64"):
         finetune(tiny_job(out, training__steps=4, checkpoint__resume="auto", model__config_path=other))
 

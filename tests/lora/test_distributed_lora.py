@@ -1,4 +1,5 @@
-"""Expert adapters on expert-parallel weights: 2 gloo ranks on CPU, each holding E/2 experts."""
+"""LoRA on 2 gloo ranks (CPU): expert adapters on expert-parallel weights (each rank holds E/2
+experts), and a LoRA model sharded by FSDP2 after apply_lora training like one process."""
 
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ def _worker(rank: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=_WORLD)
     try:
-        _check_rank(rank)
+        _check_expert_parallel(rank)
+        _check_fsdp2(rank)
     finally:
         dist.destroy_process_group()
 
 
-def _check_rank(rank: int) -> None:
+def _check_expert_parallel(rank: int) -> None:
     from moetune.lora.experts import add_expert_adapters, lora_a_name, lora_b_name, merge_expert_adapters
     from moetune.lora.peft_export import peft_adapter_state_dict
     from moetune.moe import GroupedExperts
@@ -81,6 +83,43 @@ def _check_rank(rank: int) -> None:
     torch.testing.assert_close(experts(x_NH, counts), expected)
 
 
+def _check_fsdp2(rank: int) -> None:
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    from moetune.lora import LoraSettings, apply_lora, lora_state_dict
+
+    from .helpers import build_moetune_model, randomize_adapters, tiny_qwen3_moe_config
+
+    model = apply_lora(build_moetune_model(tiny_qwen3_moe_config()).train(), LoraSettings(rank=2))
+    randomize_adapters(model)  # same values on both ranks (fixed generator)
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (_WORLD,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    batches = [torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(10 + r)) for r in range(_WORLD)]
+
+    def step(m, batch_list) -> None:
+        # SGD: the update is linear in the gradient (Adam's first step is about sign(g), so tiny
+        # reduction-order differences would flip near-zero entries).
+        optimizer = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5)
+        # FSDP2 averages gradients over ranks: the reference averages the losses of both batches.
+        loss = sum(m(b, labels=b).loss for b in batch_list) / len(batch_list)
+        loss.backward()
+        optimizer.step()
+
+    step(model, [batches[rank]])
+    step(reference, batches)
+    sharded = lora_state_dict(model)
+    for name, expected in lora_state_dict(reference).items():
+        assert isinstance(sharded[name], DTensor), name
+        torch.testing.assert_close(sharded[name].full_tensor(), expected, rtol=1e-4, atol=1e-6, msg=name)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(p.grad is None for n, p in model.named_parameters() if n in frozen)
+
+
 @pytest.mark.distributed
-def test_expert_adapters_follow_expert_parallel_sharding():
+def test_lora_under_expert_parallelism_and_fsdp2():
     mp.spawn(_worker, args=(_free_port(),), nprocs=_WORLD, join=True)

@@ -1,0 +1,58 @@
+"""moetune's experts path for models that stay on Transformers' classes.
+
+Transformers v5 lets an experts module pick its forward by name
+(``experts_implementation=...``). Registering "moetune" there gives every fallback MoE model with
+the common layout (fused ``gate_up_proj`` [E, 2I, H], no biases) moetune's fused permutation,
+grouped GEMMs and fused SwiGLU; other layouts use Transformers' grouped_mm forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetune.moe.dispatch import permute, unpermute
+from moetune.moe.experts import gated_activation, run_experts
+from moetune.moe.routing import Routing
+
+IMPLEMENTATION_NAME = "moetune"
+
+
+def _is_plain_swiglu_layout(experts: nn.Module) -> bool:
+    return (
+        getattr(experts, "has_gate", True)
+        and not getattr(experts, "has_bias", False)
+        and not getattr(experts, "is_transposed", False)
+        and getattr(experts, "is_concatenated", True)
+        and not getattr(experts, "has_post_expert_norm", False)
+        and not getattr(experts, "_is_expert_parallel", False)
+        and hasattr(experts, "gate_up_proj")
+    )
+
+
+def moetune_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    if not _is_plain_swiglu_layout(self):
+        from transformers.integrations.moe import grouped_mm_experts_forward
+
+        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    routing = Routing(logits_TE=None, weights_TK=top_k_weights, experts_TK=top_k_index)
+    x_NH, counts_E, state = permute(hidden_states, routing, num_experts=self.num_experts)
+    is_silu = isinstance(self.act_fn, nn.SiLU) or type(self.act_fn).__name__ == "SiLUActivation"
+    y_NH = run_experts(
+        x_NH,
+        counts_E,
+        self.gate_up_proj,
+        self.down_proj,
+        activate=lambda h: gated_activation(h, self.act_fn, swiglu_kernel=is_silu),
+    )
+    return unpermute(y_NH, state).to(hidden_states.dtype)
+
+
+def register_moetune_experts() -> None:
+    """Add "moetune" to Transformers' experts implementations (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if IMPLEMENTATION_NAME not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION_NAME, moetune_experts_forward)

@@ -1,0 +1,133 @@
+"""Data: sources, chat formatting with answer-only labels, bad rows, truncation, packing."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from moetune import AutoModelForCausalLM
+from moetune.recipe.config import DEFAULT_ASSETS
+from moetune.recipe.data_sources import ReadStats, read_rows
+from moetune.recipe.formatting import IGNORE_INDEX, tokenize_rows
+from moetune.recipe.packing import BatchStream, collate, pack, split_validation
+
+from recipe_helpers import shipped_rows, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(DEFAULT_ASSETS / "tokenizer")
+
+
+def tokenize(rows, tokenizer, *, max_length=64, on_bad_row="skip", stats=None):
+    return tokenize_rows(rows, tokenizer, messages_column="messages", prompt_column="prompt",
+                         answer_column="answer", max_length=max_length, on_bad_row=on_bad_row,
+                         stats=stats or ReadStats())
+
+
+def read(path, *, on_bad_row="skip", stats=None):
+    return read_rows(str(path), field_name="data.train_path", split="train", on_bad_row=on_bad_row,
+                     stats=stats or ReadStats())
+
+
+def test_jsonl_parquet_and_datasets_dir_give_the_same_rows(tmp_path):
+    rows = [{"prompt": "1+2", "answer": "3"}, {"prompt": "4+5", "answer": "9"}]
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": ds}).save_to_disk(str(tmp_path / "saved_dict"))
+    for source in ["d.jsonl", "d.parquet", "saved", "saved_dict"]:
+        assert read(tmp_path / source) == rows, source
+
+
+def test_missing_file_names_the_field_and_the_file(tmp_path):
+    with pytest.raises(ValueError, match=r"data.train_path: file .*nope.jsonl does not exist"):
+        read(tmp_path / "nope.jsonl")
+
+
+def test_malformed_rows_are_skipped_and_counted_or_fail(tmp_path, tokenizer):
+    path = tmp_path / "bad.jsonl"
+    good = {"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}
+    path.write_text(json.dumps(good) + "\n{not json\n" + json.dumps({"text": "no columns"}) + "\n")
+    stats = ReadStats()
+    samples = tokenize(read(path, stats=stats), tokenizer, stats=stats)
+    assert len(samples) == 1 and stats.bad_rows == 2
+    assert "bad.jsonl:2: not valid JSON" in stats.examples[0]
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid JSON.*on_bad_row"):
+        read(path, on_bad_row="fail")
+
+
+def test_labels_cover_exactly_the_answers(tokenizer):
+    rows = [{"prompt": "12+30", "answer": "42"},
+            {"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"},
+                          {"role": "user", "content": "2+2"}, {"role": "assistant", "content": "4"}]}]
+    first, second = tokenize(rows, tokenizer)
+    answer = [t for t, label in zip(first.input_ids, first.labels) if label != IGNORE_INDEX]
+    assert tokenizer.decode(answer) == "42<|im_end|>\n"
+    answers = tokenizer.decode([t for t, label in zip(second.input_ids, second.labels) if label != IGNORE_INDEX])
+    assert answers == "2<|im_end|>\n4<|im_end|>\n"  # every assistant turn, nothing else
+
+
+def test_long_samples_are_truncated_and_counted(tokenizer):
+    stats = ReadStats()
+    rows = [{"prompt": "9" * 40, "answer": "1"}, {"prompt": "1+1", "answer": "2"}]
+    samples = tokenize(rows, tokenizer, max_length=20, stats=stats)
+    assert [len(s.input_ids) for s in samples] == [14]  # the long one lost its answer: dropped
+    assert stats.truncated == 1 and stats.empty == 1
+
+
+def test_packed_loss_equals_unpacked_loss(tokenizer):
+    """Per-document positions + the block-diagonal mask: a packed row scores each sample exactly
+    as if it were alone (the attention never crosses a boundary)."""
+    samples = tokenize(shipped_rows("train.jsonl", 12), tokenizer)
+    config = AutoConfig.from_pretrained(DEFAULT_ASSETS / "model")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    rows = pack(samples, max_length=64)
+    assert len(rows) < len(samples) and all(len(r) > 1 for r in rows[:-1])
+    packed = collate(rows, pad_id=tokenizer.pad_token_id, max_length=64, packed=True)
+    with torch.no_grad():
+        packed_sum = model(**packed.model_inputs(torch.device("cpu")), num_items_in_batch=1).loss
+        alone_sum = sum(model(**collate([[s]], pad_id=0, max_length=64, packed=False)
+                              .model_inputs(torch.device("cpu")), num_items_in_batch=1).loss for s in samples)
+    assert packed.num_label_tokens == sum(sum(label != IGNORE_INDEX for label in s.labels[1:]) for s in samples)
+    torch.testing.assert_close(packed_sum, alone_sum, rtol=1e-5, atol=1e-4)
+    # Positions restart per document.
+    assert packed.position_ids_BT[0, : len(rows[0][0].input_ids) + 1].tolist()[-1] == 0
+
+
+def test_batch_stream_is_deterministic_and_resumable(tokenizer):
+    samples = tokenize(shipped_rows("train.jsonl", 60), tokenizer)
+
+    def stream():
+        return BatchStream(samples, micro_batch_size=2, max_length=64, packed=True, pad_id=0, seed=3)
+
+    a = stream()
+    first = [next(a).input_ids_BT for _ in range(7)]  # crosses an epoch boundary
+    b = stream()
+    for _ in range(4):
+        next(b)
+    c = stream()
+    c.load_state_dict(b.state_dict())
+    assert all(torch.equal(x, y) for x, y in zip(first[4:], [next(c).input_ids_BT for _ in range(3)]))
+    assert all(torch.equal(x, y) for x, y in zip(first, [next(stream()).input_ids_BT]))
+
+
+def test_ranks_get_disjoint_micro_batches(tokenizer):
+    samples = tokenize(shipped_rows("train.jsonl", 60), tokenizer)
+    seen = [next(BatchStream(samples, micro_batch_size=2, max_length=64, packed=True, pad_id=0, seed=3,
+                             rank=r, world_size=2)).input_ids_BT for r in range(2)]
+    assert not torch.equal(seen[0], seen[1])
+
+
+def test_validation_split_is_seeded_and_disjoint(tokenizer):
+    samples = tokenize(shipped_rows("train.jsonl", 50), tokenizer)
+    train, val = split_validation(samples, fraction=0.2, seed=1)
+    again, val_again = split_validation(samples, fraction=0.2, seed=1)
+    assert len(val) == 10 and len(train) == 40 and val == val_again
+    assert not {id(s) for s in train} & {id(s) for s in val}
