@@ -62,6 +62,10 @@ def run(side: str, args) -> dict:
         from moetune.optim import AdamW
 
         opt = AdamW(model.parameters(), lr=1e-5)
+    elif side.endswith("+inbwd"):  # ... and stepped during backward on a side stream
+        from moetune.optim import AdamWInBackward
+
+        opt = AdamWInBackward(model.parameters(), lr=1e-5)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     gen = torch.Generator(device="cuda").manual_seed(1)

@@ -43,3 +43,24 @@ def test_cuda_kernel_matches_torch_fused_adamw(dtype):
     ours, _ = _run(AdamW, start, grads)
     ref, _ = _run(torch.optim.AdamW, start, grads, fused=True)
     assert rel_err(ours.float(), ref.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_in_backward_equals_step_after_backward():
+    from moetune.optim import AdamWInBackward
+
+    torch.manual_seed(0)
+    model_a = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model_b = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model_b.load_state_dict(model_a.state_dict())
+    opt_a = AdamW(model_a.parameters(), lr=1e-2)
+    opt_b = AdamWInBackward(model_b.parameters(), lr=1e-2)
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        model_a(x).square().sum().backward()
+        opt_a.step()
+        opt_a.zero_grad()
+        model_b(x).square().sum().backward()
+        assert all(p.grad is None for p in model_b.parameters())  # freed during backward
+        opt_b.step()
+    for a, b in zip(model_a.parameters(), model_b.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -1,5 +1,5 @@
 """Optimizers: a fused-kernel AdamW with torch.optim.AdamW's semantics."""
 
-from moetune.optim.adamw import AdamW
+from moetune.optim.adamw import AdamW, AdamWInBackward
 
-__all__ = ["AdamW"]
+__all__ = ["AdamW", "AdamWInBackward"]

@@ -72,29 +72,78 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                local = _local(param)
-                if HAS_TRITON and local.is_cuda and local.is_contiguous() and _local(param.grad).is_contiguous():
-                    state["step"] += 1
-                    step = int(state["step"].item())  # a host tensor: no device sync
-                    _triton_step(local, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                                 lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                                 weight_decay=group["weight_decay"], step=step)  # fmt: skip
-                else:  # increments state["step"] itself
-                    torch.optim._functional.adamw(
-                        [param], [param.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
-                        amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                        eps=group["eps"], maximize=False,
-                    )  # fmt: skip
+                if param.grad is not None:
+                    self._step_param(param, group)
         return loss
+
+    @torch.no_grad()
+    def _step_param(self, param: torch.Tensor, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        state = self.state[param]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        local = _local(param)
+        if HAS_TRITON and local.is_cuda and local.is_contiguous() and _local(param.grad).is_contiguous():
+            state["step"] += 1
+            step = int(state["step"].item())  # a host tensor: no device sync
+            _triton_step(local, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                         lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], step=step)  # fmt: skip
+        else:  # increments state["step"] itself
+            torch.optim._functional.adamw(
+                [param], [param.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
+                amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                eps=group["eps"], maximize=False,
+            )  # fmt: skip
+
+
+class AdamWInBackward(AdamW):
+    """AdamW that updates each parameter during ``loss.backward()``, as soon as its gradient is
+    complete, on a side CUDA stream, and frees the gradient right away.
+
+    The update (memory-bound) overlaps the rest of the backward (compute-bound GEMMs), and no
+    full set of gradients ever exists (one parameter's worth at a time). ``step()`` only makes
+    the next forward wait for the updates; ``zero_grad()`` has nothing to clear.
+
+    The price: one backward per step (no gradient accumulation) and no gradient clipping (the
+    global norm is unknown when the first parameter is updated). Single device only.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._group_of = {param: group for group in self.param_groups for param in group["params"]}
+        for param in self._group_of:
+            if any(hasattr(t, "to_local") for t in (param,)):
+                raise ValueError("AdamWInBackward supports unsharded parameters only (use AdamW with FSDP2 / EP)")
+            param.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if self._stream is None or not grad.is_cuda:
+            self._step_param(param, self._group_of[param])
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(grad.device))
+            with torch.cuda.stream(self._stream):
+                self._step_param(param, self._group_of[param])
+            grad.record_stream(self._stream)  # the allocator must not reuse it before the update ran
+        param.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are freed as soon as they are used."""
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

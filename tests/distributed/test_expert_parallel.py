@@ -38,8 +38,12 @@ def two_experts_checkpoint(tmp_path_factory):
 
 def test_two_processes(checkpoint, tmp_path):
     """ep=2: SGD steps + clipping + AdamW equal one process; EP save equals the single-process save;
-    DCP resume; activation checkpointing; a user's (2, 1) mesh; unsharded without ep_size."""
-    spawn(workers.two_process_suite, 2, checkpoint, str(tmp_path))
+    DCP resume; activation checkpointing; a user's (2, 1) mesh; bf16 compute; from_config; capacity
+    dispatch; unsharded without ep_size; tied embeddings."""
+    torch.manual_seed(2)
+    config = tiny_qwen3_moe_config(vocab_size=64, output_router_logits=False, tie_word_embeddings=True)
+    tied = save_per_expert_checkpoint(transformers.Qwen3MoeForCausalLM(config), tmp_path / "tied")
+    spawn(workers.two_process_suite, 2, checkpoint, str(tied), str(tmp_path))
 
 
 def test_four_processes(checkpoint, two_experts_checkpoint, tmp_path):

@@ -197,7 +197,7 @@ def one_step_parity(rank: int, world_size: int, folder: str, *, what: str, enabl
     _compare_grads(model, ref, what=what)
 
 
-def two_process_suite(rank: int, world_size: int, folder: str, out: str) -> None:
+def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str, out: str) -> None:
     assert world_size == 2
     # Without ep_size / device_mesh, from_pretrained under torchrun returns an unsharded model.
     plain = _load(folder)
@@ -213,6 +213,9 @@ def two_process_suite(rank: int, world_size: int, folder: str, out: str) -> None
     # Capacity-padded dispatch: with factor >= ep nothing is dropped, so it is exact too.
     one_step_parity(rank, world_size, folder, what="ep=2, capacity 2.0", ep_size=2, ep_capacity_factor=2.0)
     dispatchers(rank, world_size)
+    # Tied LM head and embeddings: one parameter, in FSDP2's root group.
+    one_step_parity(rank, world_size, tied_folder, what="tied embeddings, ep=2", ep_size=2)
+    _check_save_equal(_load(tied_folder, ep_size=2), _load(tied_folder), Path(out) / "tied-save", rank)
 
 
 def dispatchers(rank: int, world_size: int) -> None:
