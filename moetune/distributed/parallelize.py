@@ -87,7 +87,25 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) ->
         for layer in decoder_layers(model):
             layer.compile()
     apply_fsdp(model, mesh, config)
+    _refuse_ddp(model)
     return model
+
+
+def _refuse_ddp(model: nn.Module) -> None:
+    """Make ``DistributedDataParallel(model)`` fail with a clear message instead of a DTensor error deep
+    inside its constructor (which reads this attribute with ``hasattr`` first). Set on the FSDP2 class
+    of the model, which only FSDP2-sharded models have; DDP over FSDP2 is never right."""
+
+    def refuse(_self):
+        raise ValueError(
+            "this model is already sharded by moetune (FSDP2 + expert parallelism from ep_size / device_mesh) "
+            "and synchronises its own gradients: train it as is, without DistributedDataParallel / FSDP"
+        )
+
+    cls = type(model)
+    assert isinstance(model, FSDPModule), cls
+    if not isinstance(cls.__dict__.get("_ddp_params_and_buffers_to_ignore"), property):
+        cls._ddp_params_and_buffers_to_ignore = property(refuse)
 
 
 def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, *, capacity_factor: float | None = None) -> None:

@@ -13,8 +13,10 @@ own experts and the delta is computed locally.
 How the delta gets in without touching the experts' forward: the module's class is swapped for a
 subclass with a property per adapted weight, the mechanism of `torch.nn.utils.parametrize`, but
 the Parameter stays in `_parameters` under its own name, so `state_dict()` keys, FSDP2 (which
-swaps `_parameters` entries) and `named_parameters()` are those of the plain model. Cost: the
-adapted weight is materialised once per forward (and kept for backward), like PEFT's ParamWrapper.
+swaps `_parameters` entries) and `named_parameters()` are those of the plain model. The property
+adds the delta only while the module's own forward runs (the subclass's forward sets a flag);
+anywhere else it is the plain Parameter. Cost: the adapted weight is materialised once per
+forward (and kept for backward), like PEFT's ParamWrapper.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from moetune.lora.init import reset_adapter_
 _SCALING = "lora_scaling"
 _TARGETS = "_moetune_lora_targets"
 _IS_LORA_CLASS = "_moetune_lora_class"
+_IN_FORWARD = "_moetune_lora_in_forward"
 
 
 def lora_a_name(param_name: str) -> str:
@@ -130,6 +133,11 @@ def remove_expert_adapters(module: nn.Module) -> None:
 
 def _adapted_weight(module: nn.Module, name: str) -> torch.Tensor:
     weight = module._parameters[name]
+    if not module.__dict__.get(_IN_FORWARD, False):
+        # Outside the experts' forward the attribute is the plain Parameter, as PEFT's ParamWrapper
+        # does: FSDP2 (reset_sharded_param), initialisers and user code read it via getattr and
+        # must get the Parameter itself, not W + delta.
+        return weight
     lora_A_ERI = module._parameters[lora_a_name(name)].to(weight.dtype)
     lora_B_EOR = module._parameters[lora_b_name(name)].to(weight.dtype)
     scaling = getattr(module, _SCALING)
@@ -148,4 +156,14 @@ def _lora_class(base: type[nn.Module], param_names: tuple[str, ...]) -> type[nn.
         for name in param_names
     }
     namespace[_IS_LORA_CLASS] = True
+
+    def forward(self, *args, **kwargs):
+        previous = self.__dict__.get(_IN_FORWARD, False)
+        self.__dict__[_IN_FORWARD] = True
+        try:
+            return base.forward(self, *args, **kwargs)
+        finally:
+            self.__dict__[_IN_FORWARD] = previous
+
+    namespace["forward"] = forward
     return type(f"Lora{base.__name__}", (base,), namespace)

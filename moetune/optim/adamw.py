@@ -67,10 +67,7 @@ class AdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
@@ -117,7 +114,7 @@ class AdamWInBackward(AdamW):
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._group_of = {param: group for group in self.param_groups for param in group["params"]}
         for param in self._group_of:
-            if any(hasattr(t, "to_local") for t in (param,)):
+            if hasattr(param, "to_local"):
                 raise ValueError("AdamWInBackward supports unsharded parameters only (use AdamW with FSDP2 / EP)")
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
@@ -134,16 +131,20 @@ class AdamWInBackward(AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are freed as soon as they are used."""
+
+
+def _run_closure(closure):
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -37,11 +37,16 @@ class Batch:
     num_label_tokens: int
     """Tokens that carry a loss (labels != IGNORE_INDEX after the causal shift)."""
 
-    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor | bool]:
         inputs = {"input_ids": self.input_ids_BT, "labels": self.labels_BT, "position_ids": self.position_ids_BT}
         if self.attention_mask_BT is not None:
             inputs["attention_mask"] = self.attention_mask_BT
-        return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+        moved: dict[str, torch.Tensor | bool] = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+        # Transformers derives the packed-document mask from position_ids only without a KV
+        # cache; with one (use_cache defaults to True, even in training) attention would silently
+        # cross the sample boundaries.
+        moved["use_cache"] = False
+        return moved
 
 
 def pack(samples: list[Sample], *, max_length: int) -> list[list[Sample]]:

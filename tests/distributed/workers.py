@@ -344,3 +344,5 @@ def bad_inputs(rank: int, world_size: int, folder: str) -> None:
         parallelize_for_options(model, MoetuneOptions(ep_size=2), init_weights=False)
     with pytest.raises((ValueError, AssertionError, RuntimeError)):
         fully_shard(model)  # FSDP2 refuses to shard a module twice
+    with pytest.raises(ValueError, match="already sharded by moetune"):
+        torch.nn.parallel.DistributedDataParallel(model)

@@ -61,6 +61,8 @@ def test_grouped_experts_see_per_expert_delta():
             delta = torch.stack([0.5 * b[e] @ a[e] for e in range(3)])
             getattr(reference, name).copy_(experts._parameters[name] + delta)
     torch.testing.assert_close(experts(x_NH, counts_E), reference(x_NH, counts_E))
+    # Outside the forward the attribute is the Parameter itself (FSDP2 and initialisers getattr it).
+    assert experts.gate_up_proj is experts._parameters["gate_up_proj"]
 
 
 def test_optimizer_step_changes_only_adapters(tokens):

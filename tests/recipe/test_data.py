@@ -86,6 +86,7 @@ def test_packed_loss_equals_unpacked_loss(tokenizer):
     as if it were alone (the attention never crosses a boundary)."""
     samples = tokenize(shipped_rows("train.jsonl", 12), tokenizer)
     config = AutoConfig.from_pretrained(DEFAULT_ASSETS / "model")
+    config.initializer_range = 0.3  # large weights: attention across a boundary would show plainly
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     rows = pack(samples, max_length=64)
@@ -97,6 +98,14 @@ def test_packed_loss_equals_unpacked_loss(tokenizer):
                               .model_inputs(torch.device("cpu")), num_items_in_batch=1).loss for s in samples)
     assert packed.num_label_tokens == sum(sum(label != IGNORE_INDEX for label in s.labels[1:]) for s in samples)
     torch.testing.assert_close(packed_sum, alone_sum, rtol=1e-5, atol=1e-4)
+    cpu = torch.device("cpu")
+    with torch.no_grad():  # and the logits of every sample of the first row, token by token
+        packed_logits = model(**packed.model_inputs(cpu)).logits[0]
+        start = 0
+        for sample in rows[0]:
+            alone = model(**collate([[sample]], pad_id=0, max_length=64, packed=False).model_inputs(cpu)).logits[0]
+            torch.testing.assert_close(packed_logits[start:start + len(sample.input_ids)], alone, rtol=1e-4, atol=1e-4)
+            start += len(sample.input_ids)
     # Positions restart per document.
     assert packed.position_ids_BT[0, : len(rows[0][0].input_ids) + 1].tolist()[-1] == 0
 
