@@ -58,11 +58,11 @@ def build(side: str, layers: int, balanced: bool):
 
 def run(side: str, args) -> dict:
     model = build(side.split("+")[0], args.layers, args.routing == "balanced")
-    if side.endswith("+adamw"):  # moetune's AdamW kernel instead of torch's fused AdamW
+    if "+adamw" in side:  # moetune's AdamW kernel instead of torch's fused AdamW
         from moetune.optim import AdamW
 
         opt = AdamW(model.parameters(), lr=1e-5)
-    elif side.endswith("+inbwd"):  # ... and stepped during backward on a side stream
+    elif "+inbwd" in side:  # ... and stepped during backward on a side stream
         from moetune.optim import AdamWInBackward
 
         opt = AdamWInBackward(model.parameters(), lr=1e-5)
@@ -71,8 +71,23 @@ def run(side: str, args) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (args.micro_batch, args.seq_len), device="cuda", generator=gen)
 
+    def forward(input_ids):
+        return model(input_ids=input_ids, labels=input_ids).loss
+
+    if "+graph" in side:  # experiment: the whole forward+backward as one CUDA graph (no launch gaps)
+        class LossOf(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+
+            def forward(self, input_ids):
+                return forward(input_ids)
+
+        forward = torch.cuda.make_graphed_callables(LossOf(), (ids,))
+        opt.zero_grad(set_to_none=False)
+
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = forward(ids)
         loss.backward()
         return loss
 
@@ -87,7 +102,7 @@ def run(side: str, args) -> dict:
         step()
         t1.record()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none="+graph" not in side)  # graphs write into fixed gradient buffers
         t2.record()
         torch.cuda.synchronize()
         if i >= args.warmup:

@@ -94,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--sides must be a comma-separated subset of {','.join(SIDES)}, got {args.sides!r}")
     if args.probe_child:
         return _probe_child(args)
+    if args.probe_max_seq:
+        return _probe(args, sides)
     env = setup(args.device)
     try:
-        if args.probe_max_seq:
-            return _probe(args, env, sides)
         return _bench(args, env, sides)
     finally:
         teardown(env)
@@ -146,12 +146,16 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "seed": args.seed,
             "lr": args.lr,
             "dtype": "bfloat16 parameters, gradients and AdamW states",
-            "optimizer": f"torch.optim.AdamW({'fused' if env.device.type == 'cuda' else 'foreach'}=True, weight_decay=0)",
+            "optimizer": _optimizer_name(env.device),
         },
         "model_config": config.to_dict(),
         "flops_per_token": flops_per_token(config, seq_len=args.seq_len),
         "_stamp": now.strftime("%Y%m%dT%H%M%SZ"),
     }
+
+
+def _optimizer_name(device: torch.device) -> str:
+    return f"torch.optim.AdamW({'fused' if device.type == 'cuda' else 'foreach'}=True, weight_decay=0)"
 
 
 def _write(
@@ -276,9 +280,12 @@ def _free(env: RunEnv) -> None:
         torch.cuda.empty_cache()
 
 
-def _probe(args: argparse.Namespace, env: RunEnv, sides: list[str]) -> int:
-    if env.distributed:
+def _probe(args: argparse.Namespace, sides: list[str]) -> int:
+    """The parent never touches the GPU (a CUDA context here would take memory from the children);
+    the GPU's name comes from the children's reports."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise SystemExit("--probe-max-seq runs on one GPU (it starts its own processes); drop torchrun")
+    env = RunEnv(torch.device("cpu"), 0, 1)
     layers = _layers(args)
     model, config = load_config(args.config, layers=layers)
     routing = "real" if args.routing == "both" else args.routing
@@ -287,7 +294,7 @@ def _probe(args: argparse.Namespace, env: RunEnv, sides: list[str]) -> int:
     data["probe"] = {}
     deadline = None if args.probe_budget is None else time.monotonic() + args.probe_budget
     for side in sides:
-        best: dict[str, Any] | None = None
+        tried = []
         for ac in _ac_values(args, "on"):
             common = [
                 "--config", args.config, "--layers", str(layers), "--routing", routing, "--seed", str(args.seed),
@@ -297,12 +304,14 @@ def _probe(args: argparse.Namespace, env: RunEnv, sides: list[str]) -> int:
                 side=side, common_args=common, start=args.probe_start, step=args.probe_step,
                 maximum=args.probe_max, search=args.probe_search, timeout=args.probe_timeout, deadline=deadline,
             )
-            result["activation_checkpointing"] = ac
-            if best is None or (result["longest"] or 0) > (best["longest"] or 0):
-                best = {**result, "other_settings": (best or {}).get("other_settings", [])}
-            else:
-                best.setdefault("other_settings", []).append(result)
-        data["probe"][side] = best
+            tried.append({**result, "activation_checkpointing": ac})
+        best = max(tried, key=lambda r: r["longest"] or 0)
+        data["probe"][side] = {**best, "other_settings": [r for r in tried if r is not best]}
+        reports = [a for r in tried for a in r["attempts"] if a.get("gpu")]
+        if reports:
+            data.update(gpu=reports[0]["gpu"], hardware=reports[0]["hardware"], device=reports[0]["device"])
+            data["config"]["optimizer"] = _optimizer_name(torch.device(reports[0]["device"]))
+        _write(args, env, data, suffix="-probe", quiet=True)
     print(format_probe(data), flush=True)
     _write(args, env, data, suffix="-probe")
     return 0
@@ -314,7 +323,10 @@ def _probe_child(args: argparse.Namespace) -> int:
     ac = _ac_values(args, "on")[-1]
     routing = "real" if args.routing == "both" else args.routing
     row = Row(routing, 1, args.seq_len, ac)
-    report: dict[str, Any] = {"side": args.probe_child, "activation_checkpointing": ac}
+    report: dict[str, Any] = {
+        "side": args.probe_child, "activation_checkpointing": ac, "gpu": gpu_name(env.device),
+        "hardware": hardware_slug(env.device, 1), "device": str(env.device),
+    }
     try:
         _, config = load_config(args.config, layers=_layers(args))
         bench = build_side(

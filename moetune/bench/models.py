@@ -29,12 +29,12 @@ from torch import nn
 from moetune.moe.routing import balanced_assignment
 
 SIDES = ("hf", "moetune")
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "assets" / "configs"
+INIT_STD = 0.02
 
 
 class SideUnavailable(RuntimeError):
-    """This checkout cannot build a side (e.g. expert parallelism is not there yet); the same on every rank."""
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "assets" / "configs"
-INIT_STD = 0.02
+    """This checkout cannot build a side (e.g. expert parallelism is missing); raised alike on every rank."""
 
 
 def load_config(name_or_path: str, *, layers: int | None = None) -> tuple[str, transformers.PretrainedConfig]:

@@ -70,7 +70,10 @@ def probe_side(
             return "time budget"
         result = try_length(side=side, seq_len=seq_len, common_args=common_args, timeout=timeout)
         attempts.append(result)
-        extra = f", step {result['step_s']:.2f} s, peak {result.get('peak_gib') or 0:.1f} GiB" if result["status"] == "ok" else ""
+        extra = ""
+        if result["status"] == "ok":
+            peak = result.get("peak_gib")
+            extra = f", step {result['step_s']:.2f} s" + ("" if peak is None else f", peak {peak:.1f} GiB")
         log(f"[probe] {side} seq {seq_len}: {result['status']}{extra}")
         return result["status"]
 

@@ -22,6 +22,7 @@ forward (and kept for backward), like PEFT's ParamWrapper.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -116,9 +117,6 @@ def merge_expert_adapters(module: nn.Module) -> None:
 
 
 def remove_expert_adapters(module: nn.Module) -> None:
-    for name in adapted_params(module):
-        del module._parameters[lora_a_name(name)]
-        del module._parameters[lora_b_name(name)]
     lora_class = type(module)
     if not lora_class.__dict__.get(_IS_LORA_CLASS, False):
         # e.g. fully_shard swapped in its own subclass after apply_lora; undoing ours would drop that.
@@ -126,9 +124,12 @@ def remove_expert_adapters(module: nn.Module) -> None:
             f"cannot remove LoRA from a {lora_class.__name__}: the module was wrapped after apply_lora; "
             "merge or remove adapters before wrapping (or on an unwrapped copy)"
         )
+    for name in adapted_params(module):
+        del module._parameters[lora_a_name(name)]
+        del module._parameters[lora_b_name(name)]
     module.__class__ = lora_class.__bases__[0]
-    delattr(module, _TARGETS)
-    delattr(module, _SCALING)
+    for attr in (_TARGETS, _SCALING, _IN_FORWARD):
+        module.__dict__.pop(attr, None)
 
 
 def _adapted_weight(module: nn.Module, name: str) -> torch.Tensor:
@@ -157,7 +158,7 @@ def _lora_class(base: type[nn.Module], param_names: tuple[str, ...]) -> type[nn.
     }
     namespace[_IS_LORA_CLASS] = True
 
-    def forward(self, *args, **kwargs):
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         previous = self.__dict__.get(_IN_FORWARD, False)
         self.__dict__[_IN_FORWARD] = True
         try:

@@ -45,3 +45,33 @@ def test_time_budget_stops_launching_children(monkeypatch):
         deadline=0.0, log=lambda _: None,
     )
     assert result == {"longest": None, "first_failure": None, "stopped_by": "time budget", "attempts": []}
+
+
+def test_child_reports_oom_with_its_exit_code(monkeypatch, capsys):
+    import json
+
+    import torch
+
+    from moetune.bench import cli
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(cli, "build_side", out_of_memory)
+    code = cli.main(["--probe-child", "hf", "--config", "tiny", "--seq-len", "64", "--device", "cpu"])
+    assert code == probe.EXIT_OOM
+    [line] = [l for l in capsys.readouterr().out.splitlines() if l.startswith(probe.RESULT_PREFIX)]
+    report = json.loads(line[len(probe.RESULT_PREFIX):])
+    assert report["status"] == "oom" and report["side"] == "hf"
+
+
+def test_child_trains_one_step(capsys):
+    import json
+
+    from moetune.bench import cli
+
+    code = cli.main(["--probe-child", "moetune", "--config", "tiny", "--layers", "2", "--seq-len", "64", "--device", "cpu"])
+    assert code == 0
+    [line] = [l for l in capsys.readouterr().out.splitlines() if l.startswith(probe.RESULT_PREFIX)]
+    report = json.loads(line[len(probe.RESULT_PREFIX):])
+    assert report["status"] == "ok" and report["step_s"] > 0 and report["activation_checkpointing"] is True

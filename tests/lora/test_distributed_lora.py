@@ -116,8 +116,11 @@ def _check_fsdp2(rank: int) -> None:
     for name, expected in lora_state_dict(reference).items():
         assert isinstance(sharded[name], DTensor), name
         torch.testing.assert_close(sharded[name].full_tensor(), expected, rtol=1e-4, atol=1e-6, msg=name)
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    assert frozen and all(p.grad is None for n, p in model.named_parameters() if n in frozen)
+    # The base weights are untouched and bit-identical to the unsharded model's.
+    base = {k: v for k, v in reference.state_dict().items() if ".lora_" not in k}
+    for name, value in model.state_dict().items():
+        if ".lora_" not in name:
+            assert torch.equal(value.full_tensor() if isinstance(value, DTensor) else value, base[name]), name
 
 
 @pytest.mark.distributed

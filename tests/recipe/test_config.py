@@ -1,0 +1,113 @@
+"""Config schema, YAML + dotted overrides, error messages, every shipped YAML, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+from moetune.cli import main
+from moetune.recipe.config import JobConfig
+from moetune.recipe.config_loading import all_keys, field_docs, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+
+
+def sections(cls=JobConfig):
+    yield cls
+    for f in dataclasses.fields(cls):
+        hint = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from sections(hint)
+
+
+@pytest.mark.parametrize("cls", list(sections()), ids=lambda c: c.__name__)
+def test_every_field_has_a_docstring(cls):
+    docs = field_docs(cls)
+    assert [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)] == []
+
+
+def test_defaults_are_the_embedded_default_job():
+    config = load_config()
+    assert Path(config.model.config_path, "config.json").is_file()
+    assert Path(config.data.train_path).is_file() and Path(config.data.test_path).is_file()
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_shipped_yaml_loads(path):
+    config = load_config(yaml_path=path)
+    assert config.training.steps >= 1
+
+
+def test_examples_cover_the_required_jobs():
+    names = {p.name for p in EXAMPLES}
+    assert {"default.yaml", "qwen3_30b_a3b_sft.yaml", "qwen3_30b_a3b_lora.yaml"} <= names
+    assert load_config(yaml_path=REPO / "examples/qwen3_30b_a3b_lora.yaml").lora.enabled
+
+
+def test_precedence_cli_over_yaml_over_defaults(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("optim:\n  lr: 1e-4\n  warmup_steps: 7\ntraining:\n  steps: 11\n")
+    config = load_config(yaml_path=path, overrides=["--optim.lr", "1e-5", "training.micro_batch_size=3"])
+    assert (config.optim.lr, config.optim.warmup_steps, config.training.steps) == (1e-5, 7, 11)
+    assert config.training.micro_batch_size == 3 and config.optim.eps == JobConfig().optim.eps
+
+
+def test_lists_tuples_bools_and_none_are_parsed():
+    config = load_config(overrides=["--optim.betas", "0.8,0.9", "--lora.target_modules", "[q_proj, o_proj]",
+                                    "--data.packing", "false", "--model.router_aux_loss_coef", "null"])
+    assert config.optim.betas == (0.8, 0.9) and config.lora.target_modules == ["q_proj", "o_proj"]
+    assert config.data.packing is False and config.model.router_aux_loss_coef is None
+
+
+def test_unknown_key_names_it_and_the_closest_valid_key(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown config key 'optim.lrr' \(from command line\); did you mean 'optim.lr'"):
+        load_config(overrides=["--optim.lrr", "1"])
+    path = tmp_path / "typo.yaml"
+    path.write_text("training:\n  stpes: 3\n")
+    with pytest.raises(ValueError, match=r"'training.stpes' \(from .*typo.yaml\); did you mean 'training.steps'"):
+        load_config(yaml_path=path)
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--optim.lr", "fast"], "config field optim.lr: expected a number, got 'fast'"),
+    (["--training.steps", "2.5"], "config field training.steps: expected an integer"),
+    (["--training.steps", "0"], "config field training.steps: must be >= 1, got 0"),
+    (["--training.precision", "fp8"], "config field training.precision: 'fp8' is not one of"),
+    (["--data.on_bad_row", "ignore"], "config field data.on_bad_row"),
+    (["--lora.rank", "-1"], "config section lora: LoraSettings.rank must be a positive int"),
+])
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        load_config(overrides=override)
+
+
+def test_missing_yaml_file_is_named():
+    with pytest.raises(ValueError, match="config file nope.yaml does not exist"):
+        load_config(yaml_path="nope.yaml")
+
+
+def test_every_key_is_reachable_from_the_cli():
+    assert "optim.lr" in all_keys() and "lora.target_experts" in all_keys() and "lora.enabled" in all_keys()
+
+
+def test_cli_help_lists_fields_and_errors_exit_with_the_message(capsys):
+    assert main(["finetune", "--help-config"]) == 0
+    assert "--optim.lr (default 0.003)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["finetune", "--optim.lrr", "1"])
+    assert "did you mean 'optim.lr'" in capsys.readouterr().err
+
+
+def test_nproc_per_node_reexecs_through_torchrun(tmp_path):
+    # --help of torchrun's child proves the re-exec path without starting a real job.
+    out = subprocess.run([sys.executable, "-c", "import os, sys; os.execv = lambda exe, cmd: print(cmd); "
+                          "from moetune.cli import main; main(['finetune', '--nproc-per-node', '2', '--optim.lr', '1e-5'])"],
+                         capture_output=True, text=True, cwd=REPO, check=True).stdout
+    assert "'-m', 'torch.distributed.run'" in out and "'--nproc-per-node=2'" in out
+    assert out.strip().endswith("'-m', 'moetune.cli', 'finetune', '--optim.lr', '1e-5']")
