@@ -14,6 +14,7 @@ export MOETUNE_COMMIT="${MOETUNE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || ech
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/run_h200x${NPROC}.log") 2>&1
 status=0
+marker="$(mktemp)"
 
 echo "== $(date -u +%FT%TZ) commit $MOETUNE_COMMIT"
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
@@ -21,8 +22,9 @@ nvidia-smi topo -m || true
 
 echo "== ${NPROC} GPUs: 16 layers, seq 4096, mb 1, real + balanced"
 timeout 480 torchrun --standalone --nproc-per-node "$NPROC" -m moetune.bench --out "$OUT" \
-  --layers "${LAYERS:-16}" --seq-len 4096 --micro-batch 1 --routing both || status=1
+  --layers "${LAYERS:-16}" --seq-len 4096 --micro-batch 1 --routing both ${EXTRA:-} || status=1
 
 echo "== summary"
-python -m moetune.bench --summarize $(ls -t "$OUT"/*.json | head -n 1) || status=1
+mapfile -t results < <(find "$OUT" -maxdepth 1 -name '*.json' -newer "$marker")
+if (( ${#results[@]} )); then python -m moetune.bench --summarize "${results[@]}" || status=1; fi
 exit $status

@@ -29,6 +29,12 @@ class MoetuneOptions:
     split sizes); a number sends fixed blocks of ceil(factor x rows / ep_size) rows to each rank, with
     no host sync; rows beyond it are dropped, never when factor >= ep_size."""
 
+    def __post_init__(self) -> None:
+        if self.ep_size is not None and (
+            isinstance(self.ep_size, bool) or not isinstance(self.ep_size, int) or self.ep_size < 1
+        ):
+            raise ValueError(f"ep_size must be a positive int (or None), got {self.ep_size!r}")
+
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> MoetuneOptions:
         return cls(**{f.name: kwargs.pop(f.name) for f in fields(cls) if f.name in kwargs})

@@ -12,6 +12,7 @@ See benchmarks/README.md for what is measured and how.
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import json
 import os
@@ -41,6 +42,7 @@ from moetune.bench.report import (
 from moetune.bench.run import Row, RowResult, is_oom, make_rows, run_rows
 
 DEFAULT_LAYERS = 8
+RECORDED_ENV_PREFIXES = ("PYTORCH_CUDA_ALLOC", "CUDA_VISIBLE", "NCCL_", "TORCH_")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,8 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="moetune bench",
         description="Train Transformers v5 and moetune side by side and compare tokens/s/GPU, TFLOP/s, MFU and memory.",
     )
-    p.add_argument("--config", default="qwen3_30b_a3b", help="shipped config (qwen3_30b_a3b, tiny), a config.json or a folder")
-    p.add_argument("--layers", type=int, default=None, help=f"decoder layers (default: min({DEFAULT_LAYERS}, the config's))")
+    p.add_argument(
+        "--config", default="qwen3_30b_a3b", help="shipped config (qwen3_30b_a3b, tiny), a config.json or a folder"
+    )
+    p.add_argument(
+        "--layers", type=int, default=None, help=f"decoder layers (default: min({DEFAULT_LAYERS}, the config's))"
+    )
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--micro-batch", type=int, nargs="+", default=[1], help="one or more micro-batch sizes")
     p.add_argument("--routing", choices=("real", "balanced", "both"), default="both")
@@ -63,8 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
-    p.add_argument("--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path")
+    p.add_argument(
+        "--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path"
+    )
     p.add_argument("--no-chart", action="store_true")
+    p.add_argument(
+        "--moetune-option", action="append", default=[], metavar="KEY=VALUE",
+        help="extra moetune from_config option, repeatable (e.g. reduce_dtype=bfloat16, ep_capacity_factor=2.0)",
+    )
     g = p.add_argument_group("correctness check (bf16 parity against an fp32 reference)")
     g.add_argument("--parity", action="store_true", help="run the parity check before timing")
     g.add_argument("--parity-only", action="store_true", help="run only the parity check")
@@ -103,6 +115,20 @@ def main(argv: list[str] | None = None) -> int:
         teardown(env)
 
 
+def _moetune_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--moetune-option KEY=VALUE`` pairs; values are Python literals (2.0, None, True) or strings."""
+    options = {}
+    for item in args.moetune_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--moetune-option expects KEY=VALUE, got {item!r}")
+        try:
+            options[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[key] = value
+    return options
+
+
 def _layers(args: argparse.Namespace) -> int:
     if args.layers is not None:
         return args.layers
@@ -133,7 +159,7 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
         "versions": versions(),
         "commit": commit(),
         "command": " ".join(sys.argv),
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("PYTORCH_CUDA_ALLOC", "CUDA_VISIBLE", "NCCL_", "TORCH_"))},
+        "env": {k: v for k, v in os.environ.items() if k.startswith(RECORDED_ENV_PREFIXES)},
         "config": {
             "name": args.config,
             "layers": config.num_hidden_layers,
@@ -147,6 +173,7 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "lr": args.lr,
             "dtype": "bfloat16 parameters, gradients and AdamW states",
             "optimizer": _optimizer_name(env.device),
+            "moetune_options": _moetune_options(args),
         },
         "model_config": config.to_dict(),
         "flops_per_token": flops_per_token(config, seq_len=args.seq_len),
@@ -159,14 +186,21 @@ def _optimizer_name(device: torch.device) -> str:
 
 
 def _write(
-    args: argparse.Namespace, env: RunEnv, data: dict[str, Any], *, suffix: str = "", chart: bool = False, quiet: bool = False
+    args: argparse.Namespace,
+    env: RunEnv,
+    data: dict[str, Any],
+    *,
+    suffix: str = "",
+    chart: bool = False,
+    quiet: bool = False,
 ) -> None:
     """Write the JSON (and the chart); called again as results come in, so a run killed by a
     time limit still leaves what it measured."""
     if not env.is_main:
         return
     stamp = data["_stamp"]
-    stem = result_stem(model=f"{data['model']}-{data['config']['layers']}l{suffix}", hardware=data["hardware"], date=stamp)
+    model = f"{data['model']}-{data['config']['layers']}l{suffix}"
+    stem = result_stem(model=model, hardware=data["hardware"], date=stamp)
     json_path, png_path = resolve_out(args.out, stem)
     write_json({k: v for k, v in data.items() if k != "_stamp"}, json_path)
     if not quiet:
@@ -215,10 +249,11 @@ def _parity(args: argparse.Namespace, env: RunEnv, data: dict[str, Any]) -> bool
     if env.distributed:
         raise SystemExit("--parity runs in one process (one GPU); drop it under torchrun")
     _, parity_config = load_config(args.config, layers=args.parity_layers)
-    _log(env, f"parity check: {args.parity_layers} layers, seq {args.parity_seq_len}, {args.parity_routing} routing ...")
+    _log(env, f"parity: {args.parity_layers} layers, seq {args.parity_seq_len}, {args.parity_routing} routing ...")
     started = time.perf_counter()
     data["parity"] = parity = run_parity(
-        parity_config, env=env, seed=args.seed, seq_len=args.parity_seq_len, routing=args.parity_routing
+        parity_config, env=env, seed=args.seed, seq_len=args.parity_seq_len, routing=args.parity_routing,
+        moetune_options=_moetune_options(args),
     )
     _log(env, f"{format_parity(parity)} ({time.perf_counter() - started:.0f} s)")
     if not args.parity_only:
@@ -227,7 +262,14 @@ def _parity(args: argparse.Namespace, env: RunEnv, data: dict[str, Any]) -> bool
 
 
 def _bench_side(
-    side: str, config, rows: list[Row], *, args: argparse.Namespace, env: RunEnv, data: dict[str, Any], results: list[RowResult]
+    side: str,
+    config,
+    rows: list[Row],
+    *,
+    args: argparse.Namespace,
+    env: RunEnv,
+    data: dict[str, Any],
+    results: list[RowResult],
 ) -> None:
     """Build one side once, time every row on it, append to ``results`` (the JSON is rewritten after
     each row), free it."""
@@ -235,14 +277,18 @@ def _bench_side(
     try:
         bench = build_side(
             side, config, device=env.device, dtype=torch.bfloat16, seed=args.seed, world_size=env.world_size,
-            balanced_gate=rows[0].routing == "balanced",
+            balanced_gate=rows[0].routing == "balanced", options=_moetune_options(args),
         )
     except Exception as error:  # noqa: BLE001 -- report the side as failed and keep the other one
         if env.distributed and not isinstance(error, SideUnavailable):
             raise
-        message = "OOM" if is_oom(error) else f"{type(error).__name__}: {error}"
-        _log(env, f"[{side}] cannot build: {message}")
-        results += [RowResult(side, row, error=f"build failed: {message}") for row in rows]
+        failure = "OOM" if is_oom(error) else f"{type(error).__name__}: {error}"
+    else:
+        failure = None
+    if failure is not None:  # freed outside the except block, whose traceback holds the partial model
+        _log(env, f"[{side}] cannot build: {failure}")
+        results += [RowResult(side, row, error=f"build failed: {failure}") for row in rows]
+        data["rows"] = [r.to_json() for r in results]
         _free(env)
         return
     data["built"][side] = {**bench.notes, "build_s": round(time.perf_counter() - started, 1)}
@@ -299,6 +345,7 @@ def _probe(args: argparse.Namespace, sides: list[str]) -> int:
             common = [
                 "--config", args.config, "--layers", str(layers), "--routing", routing, "--seed", str(args.seed),
                 "--lr", str(args.lr), "--device", args.device, "--activation-checkpointing", "on" if ac else "off",
+                *(f"--moetune-option={item}" for item in args.moetune_option),
             ]
             result = probe_side(
                 side=side, common_args=common, start=args.probe_start, step=args.probe_step,
@@ -331,7 +378,7 @@ def _probe_child(args: argparse.Namespace) -> int:
         _, config = load_config(args.config, layers=_layers(args))
         bench = build_side(
             args.probe_child, config, device=env.device, dtype=torch.bfloat16, seed=args.seed,
-            balanced_gate=routing == "balanced",
+            balanced_gate=routing == "balanced", options=_moetune_options(args),
         )
         [result] = run_rows(
             bench, [row], env=env, flops_per_token={args.seq_len: flops_per_token(config, seq_len=args.seq_len)},

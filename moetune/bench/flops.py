@@ -16,7 +16,8 @@ def is_sparse_layer(config: Any, layer_idx: int) -> bool:
     """Qwen3-MoE's rule (the same as Transformers' and moetune's model code)."""
     num_experts = getattr(config, "num_experts", 0) or 0
     step = getattr(config, "decoder_sparse_step", 1) or 1
-    return layer_idx not in (getattr(config, "mlp_only_layers", None) or []) and num_experts > 0 and (layer_idx + 1) % step == 0
+    dense_only = getattr(config, "mlp_only_layers", None) or []
+    return layer_idx not in dense_only and num_experts > 0 and (layer_idx + 1) % step == 0
 
 
 def flops_per_token(config: Any, *, seq_len: int) -> float:

@@ -74,6 +74,11 @@ def _param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def _draw(seed: int, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
+    return torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, INIT_STD, generator=generator)
+
+
 def _is_norm_weight(name: str, param: torch.Tensor) -> bool:
     module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
     return param.dim() == 1 and "norm" in module
@@ -97,8 +102,7 @@ def init_weights(model: nn.Module, *, seed: int, round_to: torch.dtype | None = 
         elif param.dim() == 1:
             full = torch.zeros(param.shape, dtype=torch.float32, device=device)
         else:
-            generator = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
-            full = torch.empty(param.shape, dtype=torch.float32, device=device).normal_(0.0, INIT_STD, generator=generator)
+            full = _draw(seed, name, param.shape, device)
         if round_to is not None:
             full = full.to(round_to).float()
         full = full.to(param.dtype)
@@ -116,9 +120,7 @@ def sharded_weights_match(model: nn.Module, *, seed: int) -> bool:
     for name, param in sorted(model.named_parameters()):
         if not hasattr(param, "full_tensor") or _is_norm_weight(name, param) or param.dim() == 1:
             continue
-        device = param.to_local().device
-        generator = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
-        full = torch.empty(param.shape, dtype=torch.float32, device=device).normal_(0.0, INIT_STD, generator=generator)
+        full = _draw(seed, name, param.shape, param.to_local().device)
         if not torch.equal(param.full_tensor(), full.to(param.dtype)):
             return False
     return True
@@ -176,10 +178,10 @@ class BenchModel:
     side: str
     model: nn.Module
     config: transformers.PretrainedConfig
+    routing_context: Callable[[bool], contextlib.AbstractContextManager]
+    """``routing_context(balanced)``: the block runs with the balanced gate (True) or real routing."""
     notes: dict[str, Any] = field(default_factory=dict)
     """What was actually built (experts backend, sharding), recorded in the results."""
-    routing_context: Callable[[bool], contextlib.AbstractContextManager] = field(default=None)  # type: ignore[assignment]
-    """``routing_context(balanced)``: the block runs with the balanced gate (True) or real routing."""
     activation_checkpointing: bool = False
 
     def loss(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -243,7 +245,7 @@ def build_hf(
     model.train()
     top_k = config.num_experts_per_tok
     return BenchModel(
-        "hf", model, config, notes, routing_context=lambda balanced: hf_balanced_gate(enabled=balanced, top_k=top_k)
+        "hf", model, config, lambda balanced: hf_balanced_gate(enabled=balanced, top_k=top_k), notes=notes
     )
 
 
@@ -256,21 +258,25 @@ def build_moetune(
     world_size: int = 1,
     balanced_gate: bool = False,
     round_to: torch.dtype | None = None,
+    options: dict[str, Any] | None = None,
 ) -> BenchModel:
+    """``options``: extra ``MoetuneOptions`` for ``from_config`` (e.g. ``ep_capacity_factor``)."""
     import moetune
     from moetune.models import set_moe_options
 
     config = copy.deepcopy(config)
+    options = dict(options or {})
+    notes: dict[str, Any] = {"options": dict(options)} if options else {}
     if world_size > 1:
         _require_expert_parallelism()
-        model = moetune.AutoModelForCausalLM.from_config(
-            config, dtype=dtype, balanced_gate=balanced_gate, ep_size=world_size
-        )
-        notes = {"sharding": f"moetune expert parallelism ep_size={world_size} + FSDP2 (moetune.distributed)"}
+        options.setdefault("ep_size", world_size)
+        model = moetune.AutoModelForCausalLM.from_config(config, dtype=dtype, balanced_gate=balanced_gate, **options)
+        notes["sharding"] = f"moetune expert parallelism ep_size={options['ep_size']} + FSDP2 (moetune.distributed)"
     else:
         with torch.device(device):
-            model = moetune.AutoModelForCausalLM.from_config(config, dtype=dtype, balanced_gate=balanced_gate)
-        notes = {}
+            model = moetune.AutoModelForCausalLM.from_config(
+                config, dtype=dtype, balanced_gate=balanced_gate, **options
+            )
     init_weights(model, seed=seed, round_to=round_to)
     if world_size > 1:
         notes["sharded_weights_match"] = sharded_weights_match(model, seed=seed)
@@ -283,12 +289,13 @@ def build_moetune(
         set_moe_options(model, balanced_gate=balanced)
         yield
 
-    return BenchModel("moetune", model, config, notes, routing_context=routing)
+    return BenchModel("moetune", model, config, routing, notes=notes)
 
 
 def build_side(side: str, config: transformers.PretrainedConfig, **kwargs: Any) -> BenchModel:
     if side == "hf":
         kwargs.pop("balanced_gate", None)
+        kwargs.pop("options", None)
         return build_hf(config, **kwargs)
     if side == "moetune":
         return build_moetune(config, **kwargs)

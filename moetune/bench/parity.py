@@ -11,8 +11,10 @@ Shape legend: B micro-batch, S sequence, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,23 +36,29 @@ def run_parity(
     micro_batch: int = 1,
     routing: str = "real",
     tolerance_ratio: float = 2.0,
+    moetune_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     device = env.device
     balanced = routing == "balanced"
     input_ids_BS = tokens(
         vocab_size=config.vocab_size, micro_batch=micro_batch, seq_len=seq_len, seed=seed, rank=env.rank, device=device
     )
-    reference_model = build_hf(
-        config, device=device, dtype=torch.float32, seed=seed, experts_implementation="eager", round_to=torch.bfloat16
-    )
-    reference = _evaluate(reference_model, input_ids_BS, balanced=balanced)
+    with _full_fp32_matmuls():
+        reference_model = build_hf(
+            config, device=device, dtype=torch.float32, seed=seed, experts_implementation="eager",
+            round_to=torch.bfloat16,
+        )
+        reference = _evaluate(reference_model, input_ids_BS, balanced=balanced)
     del reference_model
     _free(device)
 
     errors: dict[str, dict[str, Any]] = {}
     outputs: dict[str, dict[str, Any]] = {}
     for side in ("hf", "moetune"):
-        bench = build_side(side, config, device=device, dtype=torch.bfloat16, seed=seed, balanced_gate=balanced)
+        bench = build_side(
+            side, config, device=device, dtype=torch.bfloat16, seed=seed, balanced_gate=balanced,
+            options=moetune_options,
+        )
         outputs[side] = _evaluate(bench, input_ids_BS, balanced=balanced)
         errors[side] = _errors(outputs[side], reference)
         errors[side]["built"] = bench.notes
@@ -73,7 +81,9 @@ def run_parity(
     return {
         "passed": all(c["passed"] for c in checks.values()),
         "checks": checks,
-        "criterion": f"moetune bf16 error <= {tolerance_ratio} x Transformers bf16 error (or <= 2^-8), vs fp32 reference",
+        "criterion": (
+            f"moetune bf16 error <= {tolerance_ratio} x Transformers bf16 error (or <= 2^-8), vs fp32 reference"
+        ),
         "errors": errors,
         "moetune_vs_hf": {k: between[k] for k in METRICS},
         "setup": {
@@ -125,6 +135,17 @@ def _errors(output: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]
         "grads_missing_or_extra": missing,
         "loss_value": output["loss"],
     }
+
+
+@contextlib.contextmanager
+def _full_fp32_matmuls() -> Iterator[None]:
+    """No TF32 in the reference, whatever the process's setting (it would cost ~3 decimal digits)."""
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(precision)
 
 
 def _free(device: torch.device) -> None:

@@ -97,7 +97,8 @@ def format_parity(parity: dict[str, Any] | None) -> str:
         f"{m} hf {c['hf_error']:.2e} moetune {c['moetune_error']:.2e} {'ok' if c['passed'] else 'FAIL'}"
         for m, c in parity["checks"].items()
     ]
-    return f"parity vs fp32 ({parity['setup']['layers']} layers, {parity['setup']['routing']} routing): {status} | " + " | ".join(parts)
+    setup = parity["setup"]
+    return f"parity vs fp32 ({setup['layers']} layers, {setup['routing']} routing): {status} | " + " | ".join(parts)
 
 
 def write_chart(data: dict[str, Any], path: Path) -> bool:
@@ -144,7 +145,8 @@ def summarize(paths: list[str]) -> str:
     for path in paths:
         data = json.loads(Path(path).read_text())
         if "rows" in data:
-            blocks.append("\n".join([f"== {Path(path).name}", format_header(data), format_parity(data.get("parity")), format_table(data)]))
+            parity = format_parity(data.get("parity"))
+            blocks.append("\n".join([f"== {Path(path).name}", format_header(data), parity, format_table(data)]))
         elif "probe" in data:
             blocks.append(f"== {Path(path).name}\n" + format_probe(data))
         elif "parity" in data:

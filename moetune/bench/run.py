@@ -72,7 +72,9 @@ class RowResult:
         return {"label": self.row.label, **asdict(self.row), **data}
 
 
-def tokens(*, vocab_size: int, micro_batch: int, seq_len: int, seed: int, rank: int, device: torch.device) -> torch.Tensor:
+def tokens(
+    *, vocab_size: int, micro_batch: int, seq_len: int, seed: int, rank: int, device: torch.device
+) -> torch.Tensor:
     """Random token ids, the same for both sides (each rank its own micro-batch)."""
     generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank)
     return torch.randint(0, vocab_size, (micro_batch, seq_len), generator=generator, device=device)
@@ -111,10 +113,11 @@ def run_rows(
             if env.distributed:  # a failure on one rank leaves the others waiting in a collective
                 raise
             result.error = "OOM" if is_oom(error) else f"{type(error).__name__}: {error}"
-            optimizer.zero_grad(set_to_none=True)
-            _free(env.device)
         else:
             _fill_rates(result, flops_per_token[row.seq_len], peak_tflops, row, env)
+        if result.error:  # here, not in the except block: its traceback still holds the activations
+            optimizer.zero_grad(set_to_none=True)
+            _free(env.device)
         bench.set_activation_checkpointing(False)
         results.append(result)
         if on_result is not None:

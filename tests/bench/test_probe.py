@@ -33,7 +33,8 @@ def test_search_finds_the_longest_multiple_of_step(monkeypatch, search, limit):
 def test_stops_on_errors_that_are_not_oom(monkeypatch):
     monkeypatch.setattr(probe, "try_length", lambda **kw: {"seq_len": kw["seq_len"], "status": "error"})
     result = probe.probe_side(
-        side="moetune", common_args=[], start=1024, step=1024, maximum=8192, search="bisect", timeout=1, log=lambda _: None
+        side="moetune", common_args=[], start=1024, step=1024, maximum=8192, search="bisect", timeout=1,
+        log=lambda _: None,
     )
     assert result["longest"] is None and result["stopped_by"] == "error" and len(result["attempts"]) == 1
 
@@ -70,7 +71,9 @@ def test_child_trains_one_step(capsys):
 
     from moetune.bench import cli
 
-    code = cli.main(["--probe-child", "moetune", "--config", "tiny", "--layers", "2", "--seq-len", "64", "--device", "cpu"])
+    code = cli.main(
+        ["--probe-child", "moetune", "--config", "tiny", "--layers", "2", "--seq-len", "64", "--device", "cpu"]
+    )
     assert code == 0
     [line] = [l for l in capsys.readouterr().out.splitlines() if l.startswith(probe.RESULT_PREFIX)]
     report = json.loads(line[len(probe.RESULT_PREFIX):])

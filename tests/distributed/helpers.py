@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
+import tempfile
 import traceback
 from pathlib import Path
 
@@ -23,19 +23,11 @@ SEQ = 10
 MICRO_BATCH = 2
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-    )
+def _entry(rank: int, world_size: int, store_file: str, fn, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    # A file rendezvous: no TCP port to race for with other test runs on the same machine.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -54,9 +46,11 @@ _PRELOAD = ["torch", "transformers", "moetune", "moetune.distributed", "tests.di
 def spawn(fn, world_size: int, *args) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; re-raises a worker's failure."""
     multiprocessing.set_forkserver_preload(_PRELOAD)
-    mp.start_processes(
-        _entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True, start_method="forkserver"
-    )
+    with tempfile.TemporaryDirectory(prefix="moetune-dist-") as folder:
+        store_file = os.path.join(folder, "rendezvous")
+        mp.start_processes(
+            _entry, args=(world_size, store_file, fn, args), nprocs=world_size, join=True, start_method="forkserver"
+        )
 
 
 def micro_batch(step: int, rank: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

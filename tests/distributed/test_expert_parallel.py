@@ -1,7 +1,8 @@
 """Expert parallelism + FSDP2 on CPU under gloo: parity with one process, saving, resuming, bad input.
 
-Each test spawns one group of processes and runs several checks in it (a spawn costs ~5-10 s on a
-2-core machine). The checks themselves are in workers.py; the global-loss definition in helpers.py.
+Each test spawns one group of processes (forked from a forkserver that imports torch and moetune
+once, ~10 s for the first group) and runs several checks in it. The checks themselves are in
+workers.py; the global-loss definition in helpers.py.
 """
 
 from __future__ import annotations
@@ -58,3 +59,9 @@ def test_bad_inputs(checkpoint):
 def test_needs_a_process_group():
     with pytest.raises(ValueError, match="need torch.distributed"):
         moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(vocab_size=64), ep_size=2)
+
+
+@pytest.mark.parametrize("ep_size", [0, -2, 2.0])
+def test_ep_size_must_be_a_positive_int(ep_size):
+    with pytest.raises(ValueError, match="ep_size must be a positive int"):
+        moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(vocab_size=64), ep_size=ep_size)

@@ -213,6 +213,7 @@ def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str,
     # Capacity-padded dispatch: with factor >= ep nothing is dropped, so it is exact too.
     one_step_parity(rank, world_size, folder, what="ep=2, capacity 2.0", ep_size=2, ep_capacity_factor=2.0)
     dispatchers(rank, world_size)
+    generate_parity(rank, world_size, folder)
     # Tied LM head and embeddings: one parameter, in FSDP2's root group.
     one_step_parity(rank, world_size, tied_folder, what="tied embeddings, ep=2", ep_size=2)
     _check_save_equal(_load(tied_folder, ep_size=2), _load(tied_folder), Path(out) / "tied-save", rank)
@@ -295,6 +296,9 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
     assert world_size == 4
     train_parity(rank, world_size, folder, 4, out)
     train_parity(rank, world_size, folder, 2, out)  # ep 2 x dp_shard_mod_ep 2
+    one_step_parity(
+        rank, world_size, folder, what="ep=2 x 2, AC, no reshard", ep_size=2, enable_ac=True, reshard_after_forward=False
+    )
     # One expert per ep rank and two ranks to shard it over: FSDP2 shards experts on dim 1.
     model = _load(two_experts_folder, ep_size=2)
     placements = [m.experts.gate_up_proj.placements for m in model.modules() if isinstance(m, MoEBlock)]
@@ -339,6 +343,11 @@ def bad_inputs(rank: int, world_size: int, folder: str) -> None:
     finally:
         torch.nn.Module.to_empty = original_to_empty
 
+    from moetune.distributed.mesh import check_backend
+
+    with pytest.raises(ValueError, match="needs the NCCL backend"):
+        check_backend(torch.device("cuda", 0))  # a CUDA run on a gloo process group
+
     model = _load(folder, ep_size=2)
     with pytest.raises(ValueError, match="already sharded"):
         parallelize_for_options(model, MoetuneOptions(ep_size=2), init_weights=False)
@@ -346,3 +355,11 @@ def bad_inputs(rank: int, world_size: int, folder: str) -> None:
         fully_shard(model)  # FSDP2 refuses to shard a module twice
     with pytest.raises(ValueError, match="already sharded by moetune"):
         torch.nn.parallel.DistributedDataParallel(model)
+
+
+def generate_parity(rank: int, world_size: int, folder: str) -> None:
+    """Greedy generation under EP (every rank in lockstep: synced_gpus) equals one process's."""
+    model, ref = _load(folder, ep_size=2).eval(), _load(folder).eval()
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
+    got = model.generate(ids, max_new_tokens=4, do_sample=False, synced_gpus=True)
+    assert torch.equal(got, ref.generate(ids, max_new_tokens=4, do_sample=False)), "generate differs under EP"

@@ -105,8 +105,8 @@ def test_cli_help_lists_fields_and_errors_exit_with_the_message(capsys):
 
 
 def test_nproc_per_node_reexecs_through_torchrun(tmp_path):
-    # --help of torchrun's child proves the re-exec path without starting a real job.
-    out = subprocess.run([sys.executable, "-c", "import os, sys; os.execv = lambda exe, cmd: print(cmd); "
+    # os.execv replaced by a print + exit: the command line is checked, no job starts.
+    out = subprocess.run([sys.executable, "-c", "import os, sys; os.execv = lambda exe, cmd: sys.exit(print(cmd)); "
                           "from moetune.cli import main; main(['finetune', '--nproc-per-node', '2', '--optim.lr', '1e-5'])"],
                          capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert "'-m', 'torch.distributed.run'" in out and "'--nproc-per-node=2'" in out

@@ -1,0 +1,32 @@
+"""``torchrun -m moetune.bench`` on CPU with gloo: Transformers + FSDP2 vs moetune + expert parallelism."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_two_ranks_both_sides(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moetune.bench",
+        "--config", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1", "--routing", "balanced",
+        "--device", "cpu", "--no-chart", "--out", str(tmp_path),
+    ]
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    [path] = tmp_path.glob("tiny-3l_2xcpu_*.json")
+    data = json.loads(path.read_text())
+    assert data["world_size"] == 2
+    assert "FSDP2" in data["built"]["hf"]["sharding"] and "ep_size=2" in data["built"]["moetune"]["sharding"]
+    assert data["built"]["moetune"]["sharded_weights_match"] is True
+    assert all(r["error"] is None and r["tokens_per_s_per_gpu"] > 0 for r in data["rows"])
