@@ -5,6 +5,7 @@
 #
 #   SIDE=hf OUT=/some/dir bash benchmarks/probe_h200.sh
 #   SIDE=moetune OUT=/some/dir bash benchmarks/probe_h200.sh
+# START (default 16384), MAX, BUDGET_S (no new length after it, default 420 s), EXTRA (more flags).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -16,4 +17,4 @@ export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/probe_h200_${SIDE}.log") 2>&1
 timeout 570 python -m moetune.bench --probe-max-seq --sides "$SIDE" --layers 8 --routing real \
   --activation-checkpointing on --probe-start "${START:-16384}" --probe-step 1024 \
-  --probe-max "${MAX:-262144}" --probe-timeout 240 --probe-budget "${BUDGET_S:-420}" --out "$OUT"
+  --probe-max "${MAX:-262144}" --probe-timeout 240 --probe-budget "${BUDGET_S:-420}" --out "$OUT" ${EXTRA:-}

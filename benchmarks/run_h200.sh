@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# moetune vs Transformers v5 on one H200, in one call (about 5-7 minutes):
+# moetune vs Transformers v5 on one H200 (or GPU 0 of a larger machine), in one call (~7 minutes):
 #   1. versions and nvidia-smi
 #   2. correctness first: bf16 parity of loss, logits and gradients against an fp32 reference
 #      (2-layer Qwen3-30B-A3B shapes, seq 1024, real routing)
-#   3. row A: 8 layers, seq 4096, micro-batch 1 and 2, real and balanced routing, activation
-#      checkpointing off and on (each side's model is built once for all 8 settings)
-#   4. if time is left: row B (16 layers, micro-batch 1) and row C (seq 16,384, micro-batch 1)
-#   5. a compact table of every result file, printed last
+#   3. row A: 8 layers, seq 4096, micro-batch 1, real and balanced routing; moetune with its own
+#      AdamW kernel, then moetune with torch's fused AdamW (the strict like-for-like optimizer)
+#   4. moetune alone at 16 layers (the one-GPU reference for the two-GPU row B)
+#   5. row D: longest sequence, activation checkpointing on, 16k-token steps around the known
+#      limits (Transformers: 49,152 fits, 65,536 does not, per the brief; moetune from 98,304)
+#   6. a compact table of every result file, printed last
 # Results (JSON + PNG per run, and this log) go to $OUT (default benchmarks/results).
 #
 #   OUT=/some/dir bash benchmarks/run_h200.sh
@@ -46,23 +48,22 @@ PY
 nvidia-smi || true
 
 echo "== parity (correctness before timing)"
-bench 240 --parity-only --parity-layers 2 --parity-seq-len 1024 --parity-routing real
+bench 150 --parity-only --parity-layers 2 --parity-seq-len 1024 --parity-routing real
 
-echo "== row A: 8 layers, seq 4096, mb 1 and 2, real + balanced, AC off + on"
-bench 360 --layers 8 --seq-len 4096 --micro-batch 1 2 --routing both --activation-checkpointing both
+echo "== row A: 8 layers, seq 4096, mb 1, real + balanced; moetune AdamW kernel"
+bench 150 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --moetune-optimizer moetune
 
-if (( SECONDS < BUDGET_S )); then
-  echo "== row B: 16 layers, seq 4096, mb 1, real + balanced"
-  bench 150 --layers 16 --seq-len 4096 --micro-batch 1 --routing both
-else
-  echo "== row B skipped (${SECONDS}s elapsed, budget ${BUDGET_S}s)"
-fi
-if (( SECONDS < BUDGET_S + 60 )); then
-  echo "== row C: 8 layers, seq 16384, mb 1, real + balanced"
-  bench 120 --layers 8 --seq-len 16384 --micro-batch 1 --routing both
-else
-  echo "== row C skipped (${SECONDS}s elapsed)"
-fi
+echo "== row A, strict optimizer: moetune with torch's fused AdamW"
+bench 90 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer torch
+
+echo "== moetune alone, 16 layers (one-GPU reference for row B)"
+bench 90 --layers 16 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune
+
+echo "== row D: longest sequence (AC on, real routing)"
+bench 120 --probe-max-seq --sides hf --layers 8 --routing real --activation-checkpointing on \
+  --probe-start 49152 --probe-step 16384 --probe-max 65536 --probe-search linear --probe-timeout 110
+bench 150 --probe-max-seq --sides moetune --layers 8 --routing real --activation-checkpointing on \
+  --probe-start 98304 --probe-step 32768 --probe-max 163840 --probe-search linear --probe-timeout 110
 
 echo "== summary (${SECONDS}s)"
 mapfile -t results < <(find "$OUT" -maxdepth 1 -name '*.json' -newer "$marker" -printf '%T@ %p\n' | sort -n | cut -d' ' -f2-)

@@ -24,7 +24,7 @@ import torch
 
 from moetune.bench.env import RunEnv, commit, gpu_name, hardware_slug, setup, teardown, utc_now, versions
 from moetune.bench.flops import flops_per_token
-from moetune.bench.measure import matmul_peak_tflops
+from moetune.bench.measure import OPTIMIZERS, matmul_peak_tflops
 from moetune.bench.models import SIDES, SideUnavailable, build_side, load_config
 from moetune.bench.probe import EXIT_OOM, RESULT_PREFIX, probe_side
 from moetune.bench.report import (
@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps per setting")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument(
+        "--moetune-optimizer", choices=OPTIMIZERS, default="torch",
+        help="moetune side's AdamW: torch's fused one (same as Transformers' side), moetune's kernel, or "
+        "moetune's stepped during backward",
+    )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
         "--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path"
@@ -173,6 +178,7 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "lr": args.lr,
             "dtype": "bfloat16 parameters, gradients and AdamW states",
             "optimizer": _optimizer_name(env.device),
+            "moetune_optimizer": args.moetune_optimizer,
             "moetune_options": _moetune_options(args),
         },
         "model_config": config.to_dict(),
@@ -303,7 +309,7 @@ def _bench_side(
     run_rows(
         bench, rows, env=env, flops_per_token={args.seq_len: data["flops_per_token"]},
         peak_tflops=data["matmul_peak_tflops"], warmup=args.warmup, steps=args.steps, seed=args.seed, lr=args.lr,
-        on_result=on_result,
+        on_result=on_result, moetune_optimizer=args.moetune_optimizer,
     )
     del bench
     _free(env)

@@ -128,10 +128,20 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
     }
 
 
-def make_optimizer(model: torch.nn.Module, *, lr: float, device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over the model's own (bf16) parameters, so its states are bf16 too (the published setting);
-    fused on CUDA, foreach elsewhere."""
+OPTIMIZERS = ("torch", "moetune", "moetune-in-backward")
+
+
+def make_optimizer(model: torch.nn.Module, *, lr: float, device: torch.device, kind: str = "torch") -> torch.optim.Optimizer:
+    """AdamW over the model's own (bf16) parameters, so its states are bf16 too (the published setting):
+    ``torch`` = torch.optim.AdamW, fused on CUDA, foreach elsewhere; ``moetune`` = moetune.optim.AdamW
+    (same update, one Triton kernel per tensor); ``moetune-in-backward`` = moetune.optim.AdamWInBackward."""
     params = [p for p in model.parameters() if p.requires_grad]
+    if kind not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
+    if kind != "torch":
+        from moetune.optim import AdamW, AdamWInBackward
+
+        return (AdamW if kind == "moetune" else AdamWInBackward)(params, lr=lr, weight_decay=0.0)
     if device.type == "cuda":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=True)

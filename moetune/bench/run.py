@@ -99,11 +99,13 @@ def run_rows(
     seed: int,
     lr: float,
     on_result: Callable[[RowResult], None] | None = None,
+    moetune_optimizer: str = "torch",
 ) -> list[RowResult]:
     """Time every row on one built model with one optimizer (its states persist across rows, as in
     a real run; both sides run the same rows in the same order, so they see the same history).
     ``on_result`` sees each row as soon as it is measured."""
-    optimizer = make_optimizer(bench.model, lr=lr, device=env.device)
+    kind = moetune_optimizer if bench.side == "moetune" else "torch"  # Transformers keeps torch's fused AdamW
+    optimizer = make_optimizer(bench.model, lr=lr, device=env.device, kind=kind)
     results = []
     for row in rows:
         result = RowResult(bench.side, row)

@@ -73,7 +73,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
+    lr: float = 2e-3
     """Peak learning rate (reached after warm-up, then cosine decay)."""
     min_lr_ratio: float = 0.1
     """Final learning rate as a fraction of ``lr``."""
@@ -91,7 +91,7 @@ class OptimConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = 1000
+    steps: int = 800
     """Number of optimizer steps."""
     micro_batch_size: int = 8
     """Rows per forward pass on each device."""

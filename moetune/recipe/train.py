@@ -217,6 +217,8 @@ def _finetune(config: JobConfig, runtime: Runtime) -> FinetuneResult:
                 if sink is not None:
                     sink.log(record)
                     sink.advance(len(window), metrics.format_postfix(record))
+                    if "val_loss" in record:
+                        sink.message(f"step {step}: validation loss {record['val_loss']:.4f}")
                 window, window_start = [], time.perf_counter()
 
             periodic = config.checkpoint.every and step % config.checkpoint.every == 0

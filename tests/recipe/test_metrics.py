@@ -1,0 +1,43 @@
+"""FLOPs per token (the brief's convention), expert-load counting, the learning-rate schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3MoeConfig
+
+from moetune.recipe.config import OptimConfig
+from moetune.recipe.metrics import ExpertLoad, moe_layer_ids, training_flops_per_token
+from moetune.recipe.optim import lr_at
+
+
+def qwen3_30b_a3b() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          vocab_size=151936, intermediate_size=6144)
+
+
+def test_flops_per_token_matches_the_brief_for_qwen3_30b_a3b():
+    assert training_flops_per_token(qwen3_30b_a3b(), seq_len=4096) == pytest.approx(23.0e9, rel=0.01)
+
+
+def test_dense_layers_count_the_dense_mlp():
+    config = qwen3_30b_a3b()
+    config.mlp_only_layers = [0]
+    assert moe_layer_ids(config)[0] == 1
+    delta = training_flops_per_token(config, seq_len=4096) - training_flops_per_token(qwen3_30b_a3b(), seq_len=4096)
+    assert delta == pytest.approx(3 * (3 * 2 * 2048 * 6144 - 8 * 3 * 2 * 2048 * 768))
+
+
+def test_expert_load_counts_top_k_of_real_tokens_only():
+    load = ExpertLoad(num_layers=1, num_experts=4, top_k=2, device=torch.device("cpu"))
+    logits_TE = torch.tensor([[5.0, 4.0, 0.0, 0.0], [0.0, 0.0, 5.0, 4.0], [9.0, 0.0, 0.0, 8.0]])
+    load.add((logits_TE,), torch.tensor([True, True, False]))
+    assert load.as_lists() == [[1, 1, 1, 1]]
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    config = OptimConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    lrs = [lr_at(s, config, total_steps=100) for s in range(101)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[100] == pytest.approx(0.1)
