@@ -34,14 +34,13 @@ def validation_loss(model: torch.nn.Module, batches: list[Batch], *, runtime: Ru
     was_training = model.training
     model.eval()
     total = count = 0.0
-    for batch in batches:
-        if batch.num_label_tokens == 0:
-            continue
+    for batch in batches:  # every rank runs as many (see fixed_batches), labelled or not
         with autocast():
             # num_items_in_batch=1 turns the mean into a sum, so batches weigh by their tokens.
             out = model(**batch.model_inputs(runtime.device), num_items_in_batch=1, output_router_logits=False)
-        total += float(out.loss)
-        count += batch.num_label_tokens
+        if batch.num_label_tokens:
+            total += float(out.loss)
+            count += batch.num_label_tokens
     total, count = all_reduce_sum([total, count], runtime)
     model.train(was_training)
     return total / count if count else None

@@ -176,8 +176,14 @@ class BatchStream:
 
 def fixed_batches(samples: list[Sample], *, micro_batch_size: int, max_length: int, packed: bool,
                   pad_id: int, rank: int = 0, world_size: int = 1) -> list[Batch]:
-    """All of ``samples`` in order (no shuffling, no dropping), this rank's share: for validation."""
+    """All of ``samples`` in order (no shuffling, no dropping), this rank's share: for validation.
+
+    Every rank gets the same number of batches (short ranks get all-padding ones without labels):
+    under FSDP each forward is a collective, so the ranks must run as many."""
     rows = pack(samples, max_length=max_length) if packed else [[s] for s in samples]
+    per_rank = -(-len(rows) // world_size)
+    padding_row = [Sample(input_ids=[pad_id], labels=[IGNORE_INDEX])]
     mine = rows[rank::world_size]
+    mine += [padding_row] * (per_rank - len(mine))
     return [collate(mine[i:i + micro_batch_size], pad_id=pad_id, max_length=max_length, packed=packed)
             for i in range(0, len(mine), micro_batch_size)]

@@ -1,0 +1,51 @@
+"""Two gloo processes on the CPU through `moetune finetune --nproc-per-node 2` (torchrun):
+FSDP2 with an exact resume from a sharded checkpoint, and DDP with a Transformers export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import transformers
+
+from recipe_helpers import shipped_rows, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.distributed
+
+
+def run_job(tmp_path: Path, out: Path, *extra: str) -> list[dict]:
+    train = write_jsonl(tmp_path / "train.jsonl", shipped_rows("train.jsonl", 120))
+    test = write_jsonl(tmp_path / "test.jsonl", shipped_rows("test.jsonl", 4))
+    cmd = [sys.executable, "-m", "moetune.cli", "finetune", "--nproc-per-node", "2",
+           "--data.train_path", str(train), "--data.test_path", str(test), "--data.max_length", "64",
+           "--training.micro_batch_size", "1", "--training.output_dir", str(out), "--training.num_threads", "1",
+           "--metrics.progress_bar", "false", "--metrics.log_every", "1", "--metrics.plots", "false",
+           "--training.val_every", "0", "--optim.warmup_steps", "2", *extra]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True, timeout=240)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_fsdp2_two_ranks_resume_exactly(tmp_path):
+    full = losses(run_job(tmp_path, tmp_path / "full", "--training.steps", "4", "--checkpoint.every", "2",
+                          "--checkpoint.export_final", "false"))
+    resumed = losses(run_job(tmp_path, tmp_path / "resumed", "--training.steps", "4", "--checkpoint.resume",
+                             str(tmp_path / "full/checkpoints/step_00000002"), "--checkpoint.export_final", "false"))
+    assert sorted(resumed) == [3, 4]
+    assert [resumed[3], resumed[4]] == [full[3], full[4]]
+
+
+def test_ddp_two_ranks_train_and_export(tmp_path):
+    records = run_job(tmp_path, tmp_path / "ddp", "--training.steps", "2", "--distributed.parallelism", "ddp")
+    assert sorted(losses(records)) == [1, 2]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ddp/final")
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
