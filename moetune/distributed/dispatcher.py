@@ -133,9 +133,9 @@ class CapacityExpertParallelDispatcher:
     ``capacity = ceil(capacity_factor * T*K / ep)``; with ``capacity_factor >= ep`` no row is ever
     dropped (results equal ``ExpertParallelDispatcher``'s) at the cost of buffers and expert rows
     ep times the average. Rows over capacity are dropped: their expert output is zero (the token
-    keeps its other experts and the residual). Padding rows are zeros, counted under the last
-    local expert so the experts' row counts add up (zero in -> zero out for bias-free experts; in
-    any case their outputs are never gathered back).
+    keeps its other experts and the residual). Padding rows are sorted last and left out of the
+    per-expert counts, so the grouped GEMM never computes them (their output rows are never
+    gathered back, and their gradients never reach a token).
     """
 
     def __init__(self, *, group: dist.ProcessGroup, ep_size: int, capacity_factor: float) -> None:
@@ -165,9 +165,7 @@ class CapacityExpertParallelDispatcher:
         expert_M = torch.empty_like(meta_S)
         dist.all_to_all_single(expert_M, meta_S, group=self.group)
         sort_M = torch.argsort(expert_M, stable=True)  # padding (id num_local) last
-        counts_L = tokens_per_expert(expert_M, num_local + 1)
-        counts_L = counts_L[:num_local].clone()
-        counts_L[-1] += trash - counts_L.sum()
+        counts_L = tokens_per_expert(expert_M, num_local + 1)[:num_local]
         x_sorted_MH = _ScaleGrad.apply(x_MH.index_select(0, sort_M), float(ep))
         return x_sorted_MH, counts_L, CapacityState(local, sort_M, slot_N, kept_N)
 

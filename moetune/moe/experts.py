@@ -111,20 +111,25 @@ def run_experts(
     activate,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """down_e(activate(in_e(x))) for rows sorted by expert e; weights [E, out, in] (nn.Linear layout)."""
+    """down_e(activate(in_e(x))) for rows sorted by expert e; weights [E, out, in] (nn.Linear layout).
+
+    Rows past ``tokens_per_expert_E.sum()`` are padding (capacity-padded expert parallelism): the
+    grouped GEMM skips them (their output rows are undefined) and the loop gives them zeros.
+    """
     if backend == "grouped_mm" or (backend == "auto" and grouped_mm_supported(x_NH)):
         # No host sync: the group boundaries stay on the device.
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
         h_NX = _grouped_mm(x_NH.to(in_proj.dtype), in_proj.transpose(-2, -1), offs=offsets_E)
         return _grouped_mm(activate(h_NX), down_proj.transpose(-2, -1), offs=offsets_E)
     # One host sync for the split sizes; used on CPU and as the reference path.
+    counts = tokens_per_expert_E.tolist()
     outputs = [
         F.linear(activate(F.linear(rows_NH, in_proj[expert])), down_proj[expert])
-        for expert, rows_NH in enumerate(torch.split(x_NH, tokens_per_expert_E.tolist()))
+        for expert, rows_NH in enumerate(torch.split(x_NH[: sum(counts)], counts))
         if rows_NH.shape[0] > 0
     ]
-    if not outputs:  # keep the weights in the graph so every rank's backward has the same shape
-        return x_NH.new_zeros(0, down_proj.shape[1]) + 0 * (in_proj.sum() + down_proj.sum())
+    # Keep the weights in the graph even with no rows, so every rank's backward has the same shape.
+    outputs.append(x_NH.new_zeros(x_NH.shape[0] - sum(counts), down_proj.shape[1]) + 0 * (in_proj.sum() + down_proj.sum()))
     return torch.cat(outputs)
 
 

@@ -104,8 +104,10 @@ class TrainingConfig:
     """"cpu", "cuda", or "auto" (the local GPU when there is one)."""
     seed: int = 1234
     """Seed of weights init, data order and every random generator."""
-    num_threads: int = 0
-    """CPU threads for torch (0: all cores of this process's share)."""
+    num_threads: int = 1
+    """CPU threads for torch's intra-op parallelism (0: torch's default, one per core). 1 by
+    default: the default job's small matrices gain little from more, and on a CPU shared with
+    other work, threads that wait for each other can make a step ten times slower."""
     val_every: int = 250
     """Validation loss every this many steps (0: only at the end)."""
     output_dir: str = "outputs/default"

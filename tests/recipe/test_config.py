@@ -98,7 +98,7 @@ def test_every_key_is_reachable_from_the_cli():
 
 def test_cli_help_lists_fields_and_errors_exit_with_the_message(capsys):
     assert main(["finetune", "--help-config"]) == 0
-    assert "--optim.lr (default 0.003)" in capsys.readouterr().out
+    assert f"--optim.lr (default {JobConfig().optim.lr})" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["finetune", "--optim.lrr", "1"])
     assert "did you mean 'optim.lr'" in capsys.readouterr().err

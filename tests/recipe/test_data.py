@@ -140,3 +140,13 @@ def test_validation_split_is_seeded_and_disjoint(tokenizer):
     again, val_again = split_validation(samples, fraction=0.2, seed=1)
     assert len(val) == 10 and len(train) == 40 and val == val_again
     assert not {id(s) for s in train} & {id(s) for s in val}
+
+
+def test_validation_batches_are_as_many_on_every_rank(tokenizer):
+    from moetune.recipe.packing import fixed_batches
+
+    samples = tokenize(shipped_rows("train.jsonl", 3), tokenizer)
+    per_rank = [fixed_batches(samples, micro_batch_size=1, max_length=64, packed=True, pad_id=0, rank=r,
+                              world_size=2) for r in range(2)]
+    assert len(per_rank[0]) == len(per_rank[1]) == 1  # one packed row: rank 1 gets a label-free one
+    assert per_rank[0][0].num_label_tokens > 0 and per_rank[1][0].num_label_tokens == 0
