@@ -16,6 +16,7 @@ import sys
 def _finetune_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="moetune finetune",
+        allow_abbrev=False,  # "--c..." must stay a config override, never an abbreviation
         description="Fine-tune a (MoE) causal LM. Any config field can be set as --section.field VALUE "
                     "(command line > YAML > defaults); see --help-config for the list.",
     )
@@ -37,22 +38,37 @@ def finetune_main(argv: list[str]) -> int:
         return 0
     if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
         # Not a launcher of our own: torchrun handles rendezvous, env vars and failures.
-        rest = [a for a in argv if not a.startswith("--nproc-per-node")]
-        if "--nproc-per-node" in argv:
-            i = argv.index("--nproc-per-node")
-            rest = argv[:i] + argv[i + 2:]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={args.nproc_per_node}", "-m", "moetune.cli", "finetune", *rest]
+               f"--nproc-per-node={args.nproc_per_node}", "-m", "moetune.cli", "finetune", *_without_nproc(argv)]
         os.execv(sys.executable, cmd)
     from moetune.recipe.config_loading import load_config
-    from moetune.recipe.train import finetune
+    from moetune.recipe.train import NonFiniteLossError, finetune
 
     try:
         config = load_config(yaml_path=args.config, overrides=overrides)
     except ValueError as err:
         parser.error(str(err))
-    finetune(config)
+    try:
+        finetune(config)
+    except (ValueError, NonFiniteLossError) as err:
+        # A user's mistake (bad path, malformed data, wrong checkpoint) or a diverged run: the
+        # message says what and where; a traceback would only hide it.
+        print(f"moetune finetune: error: {err}", file=sys.stderr)
+        return 2 if isinstance(err, ValueError) else 1
     return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` minus ``--nproc-per-node N`` / ``--nproc-per-node=N`` (the children must not re-exec)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc-per-node":
+            skip = True
+        elif not arg.startswith("--nproc-per-node="):
+            out.append(arg)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

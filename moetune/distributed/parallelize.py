@@ -147,11 +147,19 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> 
     mp_policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
     common = {"mp_policy": mp_policy, "reshard_after_forward": config.reshard_after_forward}
     experts_mesh = mesh.dp_shard_mod_ep
+    ignored: set[nn.Parameter] = set()
     for block in moe_blocks(model):
+        if experts_mesh.size() == 1 and _keeps_dtype(block.experts, config.param_dtype):
+            # ep == world: each rank owns its experts outright, so FSDP2 over a one-rank group would
+            # only copy them into and out of its buffers (about 4x the experts' bytes per step).
+            ignored.update(block.experts.parameters())
+            continue
         num_local = block.num_experts // mesh.ep_size
         # Shard(1) when Shard(0) would leave ranks without an expert (TorchTitan's rule).
         dim = 0 if num_local % experts_mesh.size() == 0 else 1
         fully_shard(block.experts, mesh=experts_mesh, shard_placement_fn=lambda _p, d=dim: Shard(d), **common)
+    if ignored:
+        common["ignored_params"] = ignored
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh.world, **common)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -164,6 +172,10 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> 
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def _keeps_dtype(module: nn.Module, param_dtype: torch.dtype | None) -> bool:
+    return param_dtype is None or all(p.dtype == param_dtype for p in module.parameters())
 
 
 def _tied(model: nn.Module, embeddings: nn.Module) -> bool:

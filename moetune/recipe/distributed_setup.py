@@ -71,11 +71,6 @@ def wrap_model(model: torch.nn.Module, runtime: Runtime, config: DistributedConf
     return model
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The underlying Transformers model (DDP wraps it; FSDP2 does not)."""
-    return getattr(model, "module", model)
-
-
 def clip_grad_norm(model: torch.nn.Module, *, max_norm: float) -> float:
     """Clip the global gradient norm (over all ranks' shards) to ``max_norm`` (0: only measure it)."""
     params = [p for p in model.parameters() if p.grad is not None]

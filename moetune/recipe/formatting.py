@@ -50,7 +50,8 @@ def row_to_messages(row: dict[str, Any], *, messages_column: str, prompt_column:
             f"{prompt_column!r} and {answer_column!r} columns (data.prompt_column, data.answer_column)")
 
 
-def answer_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+def answer_spans(tokenizer: PreTrainedTokenizerBase,
+                 messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the character spans of its assistant turns."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []

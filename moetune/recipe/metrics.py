@@ -143,6 +143,22 @@ class MetricsSink:
             self.wandb.finish()
 
 
+class NullSink:
+    """The sink of ranks other than 0: accepts everything, writes nothing."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def advance(self, steps: int, postfix: dict[str, str]) -> None:
+        pass
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def format_postfix(record: dict[str, Any]) -> dict[str, str]:
     """The progress bar's short fields."""
     out = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}", "gnorm": f"{record['grad_norm']:.2f}",

@@ -57,10 +57,6 @@ def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: t
     return model
 
 
-def is_moe(model_config: PretrainedConfig) -> bool:
-    return getattr(model_config, "num_experts_per_tok", None) is not None
-
-
 def model_fingerprint(model_config: PretrainedConfig) -> dict:
     """What must match for a checkpoint to resume into this model: architecture and shapes."""
     keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

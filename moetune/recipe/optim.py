@@ -13,7 +13,8 @@ import torch
 from moetune.recipe.config import OptimConfig
 
 
-def build_optimizer(params: list[torch.nn.Parameter], config: OptimConfig, *, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(params: list[torch.nn.Parameter], config: OptimConfig, *,
+                    device: torch.device) -> torch.optim.AdamW:
     """AdamW over trainable params; fused (one kernel for all parameters) where the device has it."""
     if not params:
         raise ValueError("no trainable parameters (with lora.enabled, check lora.targets)")

@@ -147,10 +147,9 @@ class BatchStream:
             if num == 0:
                 raise ValueError(f"training.micro_batch_size: {self.micro_batch_size} rows x {self.world_size} "
                                  f"ranks is more than the {len(rows)} rows of one epoch")
-            self._epoch_batches = [
-                rows[g * per_step + self.rank * self.micro_batch_size: g * per_step + (self.rank + 1) * self.micro_batch_size]
-                for g in range(num)
-            ]
+            first = self.rank * self.micro_batch_size
+            self._epoch_batches = [rows[g * per_step + first: g * per_step + first + self.micro_batch_size]
+                                   for g in range(num)]
             self._epoch_of_batches = epoch
         assert self._epoch_batches is not None
         return self._epoch_batches

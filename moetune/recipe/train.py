@@ -11,16 +11,17 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from moetune.recipe import checkpointing, evaluation, export, metrics, optim, plots
 from moetune.recipe.config import JobConfig
 from moetune.recipe.config_loading import save_config, to_dict
-from moetune.recipe.dataset import prepare_data
+from moetune.recipe.dataset import PreparedData, prepare_data
 from moetune.recipe.distributed_setup import (
-    Runtime, all_reduce_sum, clip_grad_norm, init_runtime, shutdown, unwrap, wrap_model,
+    Runtime, all_reduce_sum, clip_grad_norm, init_runtime, shutdown, wrap_model,
 )
 from moetune.recipe.interrupts import StopRequest
-from moetune.recipe.model_loading import build_model, is_moe, load_model_config, load_tokenizer, model_fingerprint
+from moetune.recipe.model_loading import build_model, load_model_config, load_tokenizer, model_fingerprint
 from moetune.recipe.packing import Batch, BatchStream, fixed_batches
 
 
@@ -110,162 +111,208 @@ def finetune(config: JobConfig) -> FinetuneResult:
     """Run the job described by ``config`` (already validated) and export the result."""
     runtime = init_runtime(config.training, config.distributed)
     try:
-        return _finetune(config, runtime)
+        if config.training.num_threads:
+            torch.set_num_threads(config.training.num_threads)
+        seed_everything(config.training.seed)
+        job = build_job(config, runtime)
+        step = resume_if_asked(job, config)
+        sink = open_sink(job, config, step)
+        result = FinetuneResult(step=step)
+        if step == 0:
+            result.accuracy_before = held_out_accuracy(job, config, sink, step=step, label="before")
+        result.step, result.interrupted = training_loop(job, config, sink, step=step, losses=result.losses)
+        if result.interrupted:
+            sink.close()
+            return result
+        finish(job, config, sink, result)
+        return result
     finally:
         shutdown(runtime)
 
 
-def _finetune(config: JobConfig, runtime: Runtime) -> FinetuneResult:
-    if config.training.num_threads:
-        torch.set_num_threads(config.training.num_threads)
-    seed_everything(config.training.seed)
-    out_dir = Path(config.training.output_dir)
-    precision = resolve_precision(config.training.precision, runtime.device)
-    autocast = autocast_for(precision, runtime.device)
+@dataclass
+class Job:
+    """The parts of a running job, built once by ``build_job``."""
 
+    runtime: Runtime
+    tokenizer: PreTrainedTokenizerBase
+    model_config: PretrainedConfig
+    data: PreparedData
+    model: torch.nn.Module
+    """What the loop calls: the data-parallel wrapper under DDP, else the model itself."""
+    hf_model: PreTrainedModel
+    """The Transformers model inside ``model`` (for generate, save_pretrained)."""
+    optimizer: torch.optim.Optimizer
+    stream: BatchStream
+    val_batches: list[Batch]
+    expert_load: metrics.ExpertLoad | None
+    fingerprint: dict[str, Any]
+    base_path: str
+    """The base checkpoint a LoRA adapter applies to."""
+    autocast: Callable[[], contextlib.AbstractContextManager]
+    out_dir: Path
+
+
+def build_job(config: JobConfig, runtime: Runtime) -> Job:
+    precision = resolve_precision(config.training.precision, runtime.device)
+    out_dir = Path(config.training.output_dir)
     tokenizer = load_tokenizer(config.model)
     model_config = load_model_config(config.model)
     data = prepare_data(config.data, tokenizer, seed=config.training.seed)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = build_model(config.model, model_config=model_config, dtype=dtype, device=runtime.device)
-    moe = is_moe(model_config)
+    hf_model = build_model(config.model, model_config=model_config, dtype=dtype, device=runtime.device)
     base_path = config.model.pretrained_path
     if config.lora.enabled:
-        base_path = base_path or _save_random_base(model, tokenizer, out_dir / "base", runtime)
+        base_path = base_path or _save_random_base(hf_model, tokenizer, out_dir / "base", runtime)
         from moetune.lora import apply_lora
 
-        apply_lora(model, config.lora)
-    fingerprint = {**model_fingerprint(model_config),
-                   "lora": to_dict(config.lora) if config.lora.enabled else None}
-    hf_model = model
-    model = wrap_model(model, runtime, config.distributed)
-    optimizer = optim.build_optimizer([p for p in model.parameters() if p.requires_grad], config.optim,
-                                      device=runtime.device)
-    stream = BatchStream(data.train, micro_batch_size=config.training.micro_batch_size,
-                         max_length=config.data.max_length, packed=config.data.packing,
-                         pad_id=tokenizer.pad_token_id, seed=config.training.seed,
-                         rank=runtime.rank, world_size=runtime.world_size)
-    val_batches = fixed_batches(data.val, micro_batch_size=config.training.micro_batch_size,
-                                max_length=config.data.max_length, packed=config.data.packing,
-                                pad_id=tokenizer.pad_token_id, rank=runtime.rank, world_size=runtime.world_size)
+        apply_lora(hf_model, config.lora)
+    model = wrap_model(hf_model, runtime, config.distributed)
+    batching = {"micro_batch_size": config.training.micro_batch_size, "max_length": config.data.max_length,
+                "packed": config.data.packing, "pad_id": tokenizer.pad_token_id, "rank": runtime.rank,
+                "world_size": runtime.world_size}
     moe_layers = metrics.moe_layer_ids(model_config)
-    expert_load = (metrics.ExpertLoad(num_layers=len(moe_layers), num_experts=_num_experts(model_config),
-                                      top_k=model_config.num_experts_per_tok, device=runtime.device)
-                   if moe and moe_layers else None)
+    return Job(
+        runtime=runtime, tokenizer=tokenizer, model_config=model_config, data=data, model=model,
+        hf_model=hf_model,
+        optimizer=optim.build_optimizer([p for p in model.parameters() if p.requires_grad], config.optim,
+                                        device=runtime.device),
+        stream=BatchStream(data.train, seed=config.training.seed, **batching),
+        val_batches=fixed_batches(data.val, **batching),
+        expert_load=metrics.ExpertLoad(num_layers=len(moe_layers), num_experts=_num_experts(model_config),
+                                       top_k=model_config.num_experts_per_tok, device=runtime.device)
+        if moe_layers else None,
+        fingerprint={**model_fingerprint(model_config), "lora": to_dict(config.lora) if config.lora.enabled else None},
+        base_path=base_path, autocast=autocast_for(precision, runtime.device), out_dir=out_dir,
+    )
 
-    step = 0
-    resume_from = checkpointing.resolve_resume(config.checkpoint.resume, output_dir=config.training.output_dir)
-    if resume_from is not None:
-        state = checkpointing.load_checkpoint(resume_from, model=model, optimizer=optimizer, runtime=runtime,
-                                              fingerprint=fingerprint)
-        step = state.step
-        stream.load_state_dict(state.data)
 
-    sink = None
-    if runtime.is_main:
-        save_config(config, out_dir / "config.yaml")
-        sink = metrics.MetricsSink(config.metrics, output_dir=out_dir, total_steps=config.training.steps,
-                                   initial_step=step, run_config=to_dict(config))
-        sink.message(f"data: {len(data.train)} train / {len(data.val)} validation samples; "
-                     f"{data.stats.bad_rows} malformed rows skipped, {data.stats.truncated} truncated to "
-                     f"{config.data.max_length} tokens, {data.stats.empty} without answer tokens dropped"
-                     + (f"; resumed from {resume_from}" if resume_from else ""))
-    result = FinetuneResult(step=step)
+def resume_if_asked(job: Job, config: JobConfig) -> int:
+    """Load the checkpoint ``checkpoint.resume`` points to, if any; returns the step to start from."""
+    path = checkpointing.resolve_resume(config.checkpoint.resume, output_dir=config.training.output_dir)
+    if path is None:
+        return 0
+    state = checkpointing.load_checkpoint(path, model=job.model, optimizer=job.optimizer, runtime=job.runtime,
+                                          fingerprint=job.fingerprint)
+    job.stream.load_state_dict(state.data)
+    return state.step
 
-    def accuracy(label: str) -> float | None:
-        if data.eval_set is None:
-            return None
-        em = evaluation.exact_match(hf_model, tokenizer, data.eval_set, device=runtime.device,
-                                    max_new_tokens=config.data.max_new_tokens, autocast=autocast)
-        if sink is not None:
-            sink.log({"step": step, f"accuracy_{label}": em["accuracy"], "examples": em["examples"]})
-            sink.message(f"held-out exact match {label} training: {100 * em['accuracy']:.1f}% "
-                         f"of {em['num_samples']} (e.g. {em['examples'][0]['prompt']!r} -> "
-                         f"{em['examples'][0]['got']!r}, expected {em['examples'][0]['expected']!r})")
-        return em["accuracy"]
 
-    if step == 0:
-        result.accuracy_before = accuracy("before")
+def open_sink(job: Job, config: JobConfig, step: int) -> metrics.MetricsSink | metrics.NullSink:
+    if not job.runtime.is_main:
+        return metrics.NullSink()
+    save_config(config, job.out_dir / "config.yaml")
+    sink = metrics.MetricsSink(config.metrics, output_dir=job.out_dir, total_steps=config.training.steps,
+                               initial_step=step, run_config=to_dict(config))
+    stats = job.data.stats
+    sink.message(f"data: {len(job.data.train)} train / {len(job.data.val)} validation samples; "
+                 f"{stats.bad_rows} malformed rows skipped, {stats.truncated} truncated to "
+                 f"{config.data.max_length} tokens, {stats.empty} without answer tokens dropped"
+                 + (f"; resuming at step {step}" if step else ""))
+    return sink
 
-    flops_per_token = metrics.training_flops_per_token(model_config, seq_len=config.data.max_length)
-    aux_coef = float(getattr(model_config, "router_aux_loss_coef", 0.0) or 0.0) if moe else 0.0
+
+def held_out_accuracy(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.NullSink, *, step: int,
+                      label: str) -> float | None:
+    if job.data.eval_set is None:
+        return None
+    em = evaluation.exact_match(job.hf_model, job.tokenizer, job.data.eval_set, device=job.runtime.device,
+                                max_new_tokens=config.data.max_new_tokens, autocast=job.autocast)
+    sink.log({"step": step, f"accuracy_{label}": em["accuracy"], "examples": em["examples"]})
+    first = em["examples"][0] if em["examples"] else {"prompt": "", "got": "", "expected": ""}
+    sink.message(f"held-out exact match {label} training: {100 * em['accuracy']:.1f}% of {em['num_samples']} "
+                 f"(e.g. {first['prompt']!r} -> {first['got']!r}, expected {first['expected']!r})")
+    return em["accuracy"]
+
+
+def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.NullSink, *, step: int,
+                  losses: list[float]) -> tuple[int, bool]:
+    """Steps from ``step`` to ``training.steps``; returns (last step, interrupted by Ctrl-C)."""
+    flops_per_token = metrics.training_flops_per_token(job.model_config, seq_len=config.data.max_length)
+    aux_coef = float(getattr(job.model_config, "router_aux_loss_coef", 0.0) or 0.0) if job.expert_load else 0.0
     window: list[StepResult] = []
     window_start = time.perf_counter()
     with StopRequest() as stop:
         while step < config.training.steps:
-            optim.set_lr(optimizer, optim.lr_at(step, config.optim, total_steps=config.training.steps))
-            micro_batches = [next(stream) for _ in range(config.training.grad_accum_steps)]
+            optim.set_lr(job.optimizer, optim.lr_at(step, config.optim, total_steps=config.training.steps))
+            micro_batches = [next(job.stream) for _ in range(config.training.grad_accum_steps)]
             try:
-                step_result = train_step(model, optimizer, micro_batches, runtime=runtime,
-                                         grad_clip=config.optim.grad_clip, aux_coef=aux_coef, moe=moe,
-                                         autocast=autocast, expert_load=expert_load)
+                result = train_step(job.model, job.optimizer, micro_batches, runtime=job.runtime,
+                                    grad_clip=config.optim.grad_clip, aux_coef=aux_coef,
+                                    moe=job.expert_load is not None, autocast=job.autocast,
+                                    expert_load=job.expert_load)
             except NonFiniteLossError as err:
                 last = checkpointing.list_checkpoints(config.training.output_dir)
                 kept = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written"
                 raise NonFiniteLossError(f"training stopped at step {step + 1}: {err}. Nothing was saved; {kept}. "
                                          "Try a lower optim.lr or optim.grad_clip.") from err
             step += 1
-            result.losses.append(step_result.loss)
-            window.append(step_result)
+            losses.append(result.loss)
+            window.append(result)
 
             if step % config.metrics.log_every == 0 or step == config.training.steps:
-                elapsed = time.perf_counter() - window_start
-                record = _step_record(step, window, elapsed, optimizer, runtime, flops_per_token, config)
-                if config.training.val_every and step % config.training.val_every == 0 and val_batches:
-                    record["val_loss"] = evaluation.validation_loss(model, val_batches, runtime=runtime,
-                                                                    autocast=autocast)
-                if sink is not None:
-                    sink.log(record)
-                    sink.advance(len(window), metrics.format_postfix(record))
-                    if "val_loss" in record:
-                        sink.message(f"step {step}: validation loss {record['val_loss']:.4f}")
+                record = _step_record(step, window, time.perf_counter() - window_start, job, flops_per_token, config)
+                if config.training.val_every and step % config.training.val_every == 0 and job.val_batches:
+                    record["val_loss"] = evaluation.validation_loss(job.model, job.val_batches, runtime=job.runtime,
+                                                                    autocast=job.autocast)
+                    sink.message(f"step {step}: validation loss {record['val_loss']:.4f}")
+                sink.log(record)
+                sink.advance(len(window), metrics.format_postfix(record))
                 window, window_start = [], time.perf_counter()
 
-            periodic = config.checkpoint.every and step % config.checkpoint.every == 0
-            if periodic or stop.requested:
-                path = checkpointing.save_checkpoint(
-                    output_dir=config.training.output_dir,
-                    state=checkpointing.TrainState(step=step, data=stream.state_dict(), fingerprint=fingerprint,
-                                                   world_size=runtime.world_size),
-                    model=model, optimizer=optimizer, runtime=runtime, keep_last=config.checkpoint.keep_last)
-                if stop.requested:
-                    if sink is not None:
-                        sink.message(f"interrupted: saved {path}; resume with --checkpoint.resume auto")
-                        sink.close()
-                    result.step, result.interrupted = step, True
-                    return result
+            # Every rank must agree to stop at the same step (saving is collective).
+            stopping = all_reduce_sum([float(stop.requested)], job.runtime)[0] > 0
+            if stopping or (config.checkpoint.every and step % config.checkpoint.every == 0):
+                path = save(job, config, step)
+                if stopping:
+                    sink.message(f"interrupted: saved {path}; resume with --checkpoint.resume auto")
+                    return step, True
+    return step, False
 
-    result.step = step
-    if val_batches:
-        result.val_loss = evaluation.validation_loss(model, val_batches, runtime=runtime, autocast=autocast)
-    result.accuracy_after = accuracy("after")
-    if sink is not None:
-        sink.log({"step": step, "final": True, "val_loss": result.val_loss,
-                  "accuracy_before": result.accuracy_before, "accuracy_after": result.accuracy_after,
-                  "expert_tokens": expert_load.as_lists() if expert_load is not None else None})
-        sink.close()
+
+def save(job: Job, config: JobConfig, step: int) -> Path:
+    state = checkpointing.TrainState(step=step, data=job.stream.state_dict(), fingerprint=job.fingerprint,
+                                     world_size=job.runtime.world_size)
+    return checkpointing.save_checkpoint(output_dir=config.training.output_dir, state=state, model=job.model,
+                                         optimizer=job.optimizer, runtime=job.runtime,
+                                         keep_last=config.checkpoint.keep_last)
+
+
+def finish(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.NullSink,
+           result: FinetuneResult) -> None:
+    """Final validation loss and accuracy, export, plots, summary."""
+    if job.val_batches:
+        result.val_loss = evaluation.validation_loss(job.model, job.val_batches, runtime=job.runtime,
+                                                     autocast=job.autocast)
+    result.accuracy_after = held_out_accuracy(job, config, sink, step=result.step, label="after")
+    sink.log({"step": result.step, "final": True, "val_loss": result.val_loss,
+              "accuracy_before": result.accuracy_before, "accuracy_after": result.accuracy_after,
+              "expert_tokens": job.expert_load.as_lists() if job.expert_load is not None else None})
+    sink.close()
     if config.checkpoint.export_final:
         if config.lora.enabled:
-            paths = export.export_lora(hf_model, tokenizer, out_dir, base_model_name_or_path=base_path,
-                                       merged=config.lora.export_merged, runtime=runtime)
+            paths = export.export_lora(job.hf_model, job.tokenizer, job.out_dir, base_model_name_or_path=job.base_path,
+                                       merged=config.lora.export_merged, runtime=job.runtime)
         else:
-            paths = {"final": export.export_model(hf_model, tokenizer, out_dir / "final", runtime=runtime)}
+            paths = {"final": export.export_model(job.hf_model, job.tokenizer, job.out_dir / "final",
+                                                  runtime=job.runtime)}
         result.exported.update({k: str(v) for k, v in paths.items()})
-    if runtime.is_main and config.metrics.plots:
-        result.exported["plots"] = str(plots.write_plots(out_dir, moe_layer_ids=moe_layers))
-    if runtime.is_main:
-        _print_summary(result, out_dir)
-    return result
+    if job.runtime.is_main:
+        if config.metrics.plots:
+            plot_dir = plots.write_plots(job.out_dir, moe_layer_ids=metrics.moe_layer_ids(job.model_config))
+            result.exported["plots"] = str(plot_dir)
+        _print_summary(result, job.out_dir)
 
 
-def _step_record(step: int, window: list[StepResult], elapsed: float, optimizer: torch.optim.Optimizer,
-                 runtime: Runtime, flops_per_token: float, config: JobConfig) -> dict[str, Any]:
+def _step_record(step: int, window: list[StepResult], elapsed: float, job: Job, flops_per_token: float,
+                 config: JobConfig) -> dict[str, Any]:
+    runtime = job.runtime
     tokens_per_s_per_gpu = sum(r.num_tokens for r in window) / max(elapsed, 1e-9) / runtime.world_size
     tflops = tokens_per_s_per_gpu * flops_per_token / 1e12
     return {
         "step": step,
         "loss": sum(r.loss for r in window) / len(window),
-        "lr": optimizer.param_groups[0]["lr"],
+        "lr": job.optimizer.param_groups[0]["lr"],
         "grad_norm": window[-1].grad_norm,
         "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
         "tflops_per_gpu": tflops,

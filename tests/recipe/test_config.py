@@ -111,3 +111,8 @@ def test_nproc_per_node_reexecs_through_torchrun(tmp_path):
                          capture_output=True, text=True, cwd=REPO, check=True).stdout
     assert "'-m', 'torch.distributed.run'" in out and "'--nproc-per-node=2'" in out
     assert out.strip().endswith("'-m', 'moetune.cli', 'finetune', '--optim.lr', '1e-5']")
+
+
+def test_cli_reports_a_missing_data_file_without_a_traceback(capsys):
+    assert main(["finetune", "--data.train_path", "missing/train.jsonl"]) == 2
+    assert "error: data.train_path: file missing/train.jsonl does not exist" in capsys.readouterr().err

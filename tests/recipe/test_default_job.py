@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
 
 from moetune.recipe.config import DEFAULT_ASSETS
@@ -73,3 +72,11 @@ def test_the_real_default_job_learns_in_five_minutes(tmp_path):
     final = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
     assert final["accuracy_before"] < 0.05 and final["accuracy_after"] >= 0.8, run.stdout[-2000:]
     assert elapsed < 300
+
+
+def test_fine_tuning_a_pretrained_checkpoint_starts_from_its_weights(tiny_job, tmp_path):
+    first = finetune(tiny_job(tmp_path / "first", training__steps=8, optim__lr=3e-3,
+                              checkpoint__export_final=True))
+    again = finetune(tiny_job(tmp_path / "second", training__steps=1, optim__lr=1e-9,
+                              model__pretrained_path=tmp_path / "first/final", model__tokenizer_path=""))
+    assert again.losses[0] < first.losses[0] - 0.5  # not a fresh random model
