@@ -196,11 +196,12 @@ def describe(cls: type = JobConfig, prefix: str = "") -> list[tuple[str, str, st
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """Nested plain dict (tuples as lists), suitable for YAML/JSON."""
-    def plain(v: Any) -> Any:
-        return [plain(x) for x in v] if isinstance(v, (list, tuple)) else v
-    return {k: (to_dict(v) if dataclasses.is_dataclass(v) else plain(v))
-            for k, v in dataclasses.asdict(config).items()} if not isinstance(config, dict) else config
+    """A dataclass config as nested plain dicts and lists (tuples become lists), for YAML/JSON."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return [plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+    return plain(dataclasses.asdict(config))
 
 
 def save_config(config: JobConfig, path: Path) -> None:

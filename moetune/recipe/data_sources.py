@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+
 
 @dataclass
 class ReadStats:
@@ -55,7 +57,7 @@ def read_rows(path: str, *, field_name: str, split: str, on_bad_row: str, stats:
                              "(use .jsonl, .json, .parquet, or a datasets directory)")
     elif p.is_dir():
         rows = _read_datasets_dir(p, split=split, field_name=field_name)
-    elif p.suffix or "/" in path:
+    elif p.suffix.lower() in FILE_SUFFIXES or path.startswith(("/", "./", "../", "~")):
         raise ValueError(f"{field_name}: file {path} does not exist")
     else:
         rows = _read_datasets_cache(path, split=split, field_name=field_name)

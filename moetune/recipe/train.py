@@ -53,11 +53,12 @@ class FinetuneResult:
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], *,
-               runtime: Runtime, grad_clip: float, aux_coef: float, moe: bool,
+               runtime: Runtime, grad_clip: float, aux_coef: float,
                autocast: Callable[[], contextlib.AbstractContextManager],
                expert_load: metrics.ExpertLoad | None) -> StepResult:
     """Forward/backward over the micro-batches, clip, optimizer step. Raises NonFiniteLossError
-    (before the optimizer step) when the loss or gradients are not finite."""
+    (before the optimizer step) when the loss or gradients are not finite. With ``expert_load``
+    (MoE models) the router logits are requested and counted."""
     # Normalise by the answer tokens of the whole global step, so every token weighs the same
     # whatever micro-batch or rank it is on; DP averages gradients over ranks, hence / world_size.
     num_label, num_tokens = all_reduce_sum(
@@ -67,7 +68,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     for batch in micro_batches:
         with autocast():
             out = model(**batch.model_inputs(runtime.device), num_items_in_batch=items_per_rank,
-                        output_router_logits=moe)
+                        output_router_logits=expert_load is not None)
         lm_loss = out.loss
         if getattr(out, "aux_loss", None) is not None and aux_coef:
             # The model added aux_coef * aux per micro-batch; keep the LM part and average the aux part.
@@ -239,8 +240,7 @@ def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metri
             try:
                 result = train_step(job.model, job.optimizer, micro_batches, runtime=job.runtime,
                                     grad_clip=config.optim.grad_clip, aux_coef=aux_coef,
-                                    moe=job.expert_load is not None, autocast=job.autocast,
-                                    expert_load=job.expert_load)
+                                    autocast=job.autocast, expert_load=job.expert_load)
             except NonFiniteLossError as err:
                 last = checkpointing.list_checkpoints(config.training.output_dir)
                 kept = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written"

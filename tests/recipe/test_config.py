@@ -116,3 +116,11 @@ def test_nproc_per_node_reexecs_through_torchrun(tmp_path):
 def test_cli_reports_a_missing_data_file_without_a_traceback(capsys):
     assert main(["finetune", "--data.train_path", "missing/train.jsonl"]) == 2
     assert "error: data.train_path: file missing/train.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_the_saved_config_of_a_run_loads_back_identically(tmp_path):
+    from moetune.recipe.config_loading import save_config
+
+    config = load_config(overrides=["--optim.betas", "0.8,0.9", "--lora.enabled", "true"])
+    save_config(config, tmp_path / "config.yaml")
+    assert load_config(yaml_path=tmp_path / "config.yaml") == config

@@ -150,3 +150,16 @@ def test_validation_batches_are_as_many_on_every_rank(tokenizer):
                               world_size=2) for r in range(2)]
     assert len(per_rank[0]) == len(per_rank[1]) == 1  # one packed row: rank 1 gets a label-free one
     assert per_rank[0][0].num_label_tokens > 0 and per_rank[1][0].num_label_tokens == 0
+
+
+def test_a_dataset_name_not_in_the_local_cache_is_a_clear_error(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    code = ("from moetune.recipe.data_sources import ReadStats, read_rows\n"
+            "try:\n    read_rows('someone/sft-data', field_name='data.train_path', split='train', "
+            "on_bad_row='skip', stats=ReadStats())\nexcept ValueError as e:\n    print(e)\n")
+    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert "data.train_path: 'someone/sft-data' is neither a local file or directory nor a dataset" in out
