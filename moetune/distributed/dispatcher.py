@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moetune.kernels import moe_permute
 from moetune.moe.dispatch import PermutationState, permute, tokens_per_expert, unpermute
 from moetune.moe.routing import Routing
 
@@ -90,7 +91,8 @@ class ExpertParallelDispatcher:
         )
         sort_M = torch.argsort(expert_M, stable=True)
         counts_L = recv_counts_RL.sum(dim=0)
-        x_sorted_MH = _ScaleGrad.apply(x_MH.index_select(0, sort_M), float(self.ep_size))
+        # moe_permute with K=1 is x[sort_M] with a gather backward (index_select's is an atomic scatter).
+        x_sorted_MH = _ScaleGrad.apply(moe_permute(x_MH, sort_M, 1), float(self.ep_size))
         return x_sorted_MH, counts_L, ExpertParallelState(local, sort_M, send_splits, recv_splits)
 
     def combine(self, y_MH: torch.Tensor, state: ExpertParallelState) -> torch.Tensor:
@@ -166,7 +168,7 @@ class CapacityExpertParallelDispatcher:
         dist.all_to_all_single(expert_M, meta_S, group=self.group)
         sort_M = torch.argsort(expert_M, stable=True)  # padding (id num_local) last
         counts_L = tokens_per_expert(expert_M, num_local + 1)[:num_local]
-        x_sorted_MH = _ScaleGrad.apply(x_MH.index_select(0, sort_M), float(ep))
+        x_sorted_MH = _ScaleGrad.apply(moe_permute(x_MH, sort_M, 1), float(ep))
         return x_sorted_MH, counts_L, CapacityState(local, sort_M, slot_N, kept_N)
 
     def combine(self, y_MH: torch.Tensor, state: CapacityState) -> torch.Tensor:
