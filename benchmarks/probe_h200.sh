@@ -12,7 +12,7 @@ OUT="${OUT:-benchmarks/results}"
 SIDE="${SIDE:?set SIDE=hf or SIDE=moetune}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export MOETUNE_COMMIT="${MOETUNE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+export MOETUNE_COMMIT="${MOETUNE_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}"
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/probe_h200_${SIDE}.log") 2>&1
 timeout 570 python -m moetune.bench --probe-max-seq --sides "$SIDE" --layers 8 --routing real \

@@ -20,7 +20,7 @@ OUT="${OUT:-benchmarks/results}"
 BUDGET_S="${BUDGET_S:-330}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export MOETUNE_COMMIT="${MOETUNE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+export MOETUNE_COMMIT="${MOETUNE_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}"
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/run_h200.log") 2>&1
 LIMIT_S="${LIMIT_S:-570}"   # the whole script stays under this (a device call allows 600 s)

@@ -10,7 +10,7 @@ OUT="${OUT:-benchmarks/results}"
 NPROC="${NPROC:-2}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export MOETUNE_COMMIT="${MOETUNE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}"
+export MOETUNE_COMMIT="${MOETUNE_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}"
 export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/run_h200x${NPROC}.log") 2>&1
 status=0

@@ -49,13 +49,13 @@ def finetune_main(argv: list[str]) -> int:
     except ValueError as err:
         parser.error(str(err))
     try:
-        finetune(config)
+        result = finetune(config)
     except (ValueError, NonFiniteLossError) as err:
         # A user's mistake (bad path, malformed data, wrong checkpoint) or a diverged run: the
         # message says what and where; a traceback would only hide it.
         print(f"moetune finetune: error: {err}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1
-    return 0
+    return 130 if result.interrupted else 0  # 128 + SIGINT, the shell's convention
 
 
 def _without_nproc(argv: list[str]) -> list[str]:

@@ -111,6 +111,7 @@ def seed_everything(seed: int) -> None:
 def finetune(config: JobConfig) -> FinetuneResult:
     """Run the job described by ``config`` (already validated) and export the result."""
     runtime = init_runtime(config.training, config.distributed)
+    threads_before = torch.get_num_threads()  # restored at the end: a library call must not leak it
     try:
         if config.training.num_threads:
             torch.set_num_threads(config.training.num_threads)
@@ -128,6 +129,7 @@ def finetune(config: JobConfig) -> FinetuneResult:
         finish(job, config, sink, result)
         return result
     finally:
+        torch.set_num_threads(threads_before)
         shutdown(runtime)
 
 

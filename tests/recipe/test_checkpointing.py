@@ -72,3 +72,15 @@ def test_ctrl_c_saves_a_checkpoint_before_exiting(tiny_job, tmp_path, monkeypatc
     result = finetune(tiny_job(out, training__steps=10))
     assert result.interrupted and result.step == 2
     assert [p.name for p in checkpointing.list_checkpoints(str(out))] == ["step_00000002"]
+
+
+def test_a_second_signal_aborts_at_once_and_handlers_are_restored():
+    from moetune.recipe.interrupts import StopRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)  # Slurm preemption / torchrun shutdown
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -36,3 +36,19 @@ def test_lora_job_trains_adapters_only_and_exports_peft_and_merged(tiny_job, tmp
     # merged = trained model; equal to base + adapters only if the base weights never moved.
     torch.testing.assert_close(peft_logits, merged_logits, rtol=1e-4, atol=1e-4)
     assert (peft_logits - base_logits).abs().max() > 1e-3
+
+
+def test_lora_steps_change_adapter_parameters_only(tiny_job, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / "lora"
+    finetune(tiny_job(out, training__steps=2, lora__enabled="true", lora__rank=2, optim__lr=1e-2,
+                      checkpoint__every=2, optim__weight_decay=0.1))
+    dcp_to_torch_save(out / "checkpoints/step_00000002/state", tmp_path / "state.pt")
+    trained = torch.load(tmp_path / "state.pt", weights_only=False)["model"]
+    # Loaded through Transformers: the file stores experts per expert (the Hub layout).
+    base = transformers.AutoModelForCausalLM.from_pretrained(out / "base").state_dict()
+    adapters = [k for k in trained if k.rpartition(".")[2].startswith("lora_")]
+    assert any("experts.lora_" in k for k in adapters) and any("q_proj.lora_" in k for k in adapters)
+    for name, tensor in base.items():
+        torch.testing.assert_close(trained[name], tensor, rtol=0, atol=0, msg=name)  # frozen, even with decay
