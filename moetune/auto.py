@@ -47,7 +47,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             return parallelize_for_options(model, options, init_weights=True)
         model = family.causal_lm._from_config(config, **kwargs)
         set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=options.experts_backend)
-        return model
+        return _with_lora(model, options)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args: Any, **kwargs: Any):
@@ -102,7 +102,15 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         load_checkpoint(model, plan)
         model.generation_config = _generation_config(folder, model, generation_config)
         model.eval()
+        return model if options.distributed else _with_lora(model, options)
+
+
+def _with_lora(model, options: MoetuneOptions):
+    if options.lora is None:
         return model
+    from moetune.lora import apply_lora
+
+    return apply_lora(model, options.lora)
 
 
 def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
@@ -229,7 +237,7 @@ def _check_fallback_options(config: PretrainedConfig, options: MoetuneOptions) -
             f"ep_size / device_mesh need an architecture moetune implements; {getattr(config, 'model_type', '?')!r} "
             "falls back to Transformers' class (shard it with FSDP2 yourself)"
         )
-    if options.balanced_gate or options.experts_backend != "auto":
+    if options.balanced_gate or options.experts_backend != "auto" or options.lora is not None:
         raise ValueError(
-            f"balanced_gate / experts_backend apply to moetune's MoE models, not {getattr(config, 'model_type', '?')!r}"
+            f"balanced_gate / experts_backend / lora apply to moetune's MoE models (use moetune.lora.apply_lora), not {getattr(config, 'model_type', '?')!r}"
         )

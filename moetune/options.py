@@ -17,6 +17,9 @@ class MoetuneOptions:
     """Benchmark gate: assignment slot j of tokens x top_k goes to expert j mod E, weight 1/top_k."""
     experts_backend: str = "auto"
     """'auto' (grouped GEMM on CUDA bf16, per-expert loop elsewhere), 'grouped_mm' or 'loop'."""
+    lora: Any = None
+    """A ``moetune.lora.LoraSettings``: add LoRA adapters (base weights frozen). Under ``ep_size`` /
+    ``device_mesh`` they are added after expert parallelism and before FSDP2, as sharding needs."""
     reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after each layer's forward (saves memory, regathers in backward)."""
     param_dtype: Any = None

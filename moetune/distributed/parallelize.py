@@ -16,6 +16,8 @@ dispatcher scales the gradient entering the experts by 1 / ep to compensate (see
 
 from __future__ import annotations
 
+from typing import Any
+
 from dataclasses import dataclass
 from functools import partial
 
@@ -41,6 +43,9 @@ class ParallelConfig:
     """Dtype of the gradient reduce-scatter (fp32: exact sums of bf16 gradients); None: the compute dtype."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer in backward (non-reentrant; routing is recomputed identically)."""
+    lora: Any = None
+    """A ``moetune.lora.LoraSettings`` applied after expert parallelism and before FSDP2 (FSDP2 only
+    manages the parameters that exist when it shards), or None."""
     ep_capacity_factor: float | None = None
     """None: exact all-to-all splits (one host sync per MoE layer). A number: fixed per-peer buffers of
     ceil(factor * routed rows / ep) rows, no host sync; >= ep never drops a token (see dispatcher.py)."""
@@ -79,6 +84,10 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) ->
     check_unsharded(model)
     if mesh.ep_size > 1:
         apply_expert_parallel(model, mesh, capacity_factor=config.ep_capacity_factor)
+    if config.lora is not None:
+        from moetune.lora import apply_lora
+
+        apply_lora(model, config.lora)
     if config.activation_checkpointing:
         apply_activation_checkpointing(model)
     # torch.compile of each decoder layer belongs here, between AC and FSDP2. Not offered yet: dynamo
@@ -199,6 +208,7 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         reduce_dtype=_dtype(getattr(options, "reduce_dtype", torch.float32), "reduce_dtype"),
         activation_checkpointing=bool(getattr(options, "activation_checkpointing", False)),
         ep_capacity_factor=_capacity_factor(getattr(options, "ep_capacity_factor", None)),
+        lora=getattr(options, "lora", None),
     )
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the mesh: NCCL communicators bind to the current device
@@ -207,6 +217,10 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
     )
     parallelize(model, mesh, config)
     allocate(model, device, init_weights=init_weights)
+    if config.lora is not None:  # to_empty left the adapters uninitialised
+        from moetune.lora import reset_lora_parameters
+
+        reset_lora_parameters(model)
     model.parallel_mesh = mesh
     return model
 

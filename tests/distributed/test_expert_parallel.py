@@ -65,3 +65,7 @@ def test_needs_a_process_group():
 def test_ep_size_must_be_a_positive_int(ep_size):
     with pytest.raises(ValueError, match="ep_size must be a positive int"):
         moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(vocab_size=64), ep_size=ep_size)
+
+
+def test_lora_through_from_pretrained_under_expert_parallelism(checkpoint):
+    spawn(workers.lora_under_expert_parallelism, 2, checkpoint)

@@ -363,3 +363,32 @@ def generate_parity(rank: int, world_size: int, folder: str) -> None:
     ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(rank))
     got = model.generate(ids, max_new_tokens=4, do_sample=False, synced_gpus=True)
     assert torch.equal(got, ref.generate(ids, max_new_tokens=4, do_sample=False)), "generate differs under EP"
+
+
+def lora_under_expert_parallelism(rank: int, world_size: int, checkpoint: str) -> None:
+    """``from_pretrained(ep_size=2, lora=...)``: adapters added between EP and FSDP2, initialised
+    (B = 0, so the loss equals the base model's), only adapters get gradients and change."""
+    from moetune.lora import LoraSettings
+    from moetune.lora.apply import is_lora_param_name
+
+    settings = LoraSettings(rank=2, alpha=4, target_modules=["q_proj", "v_proj"], target_experts=True)
+    base = moetune.AutoModelForCausalLM.from_pretrained(checkpoint, ep_size=world_size)
+    model = moetune.AutoModelForCausalLM.from_pretrained(checkpoint, ep_size=world_size, lora=settings)
+    base.train()
+    model.train()
+    lora_names = {n for n, _ in model.named_parameters() if is_lora_param_name(n)}
+    assert any("experts" in n for n in lora_names) and any("q_proj" in n for n in lora_names)
+    assert all(p.requires_grad == (n in lora_names) for n, p in model.named_parameters())
+    loss = distributed_loss(model, 0, rank, world_size, model.config.vocab_size)
+    expected = distributed_loss(base, 0, rank, world_size, base.config.vocab_size)
+    assert rel_err(loss.detach(), expected.detach()) < TOL
+    loss.backward()
+    before = {n: gathered(p.detach()).clone() for n, p in model.named_parameters()}
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR).step()
+    for name, param in model.named_parameters():
+        changed = not torch.equal(gathered(param.detach()), before[name])
+        # B starts at zero, so A gets no gradient on the first step; every B must move.
+        if name in lora_names and "lora_B" in name:
+            assert changed, name
+        if name not in lora_names:
+            assert not changed, name
