@@ -27,7 +27,8 @@ def run_job(tmp_path: Path, out: Path, *extra: str) -> list[dict]:
            "--metrics.progress_bar", "false", "--metrics.log_every", "1", "--metrics.plots", "false",
            "--training.val_every", "0", "--optim.warmup_steps", "2", *extra]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True, timeout=240)
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
