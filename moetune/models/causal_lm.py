@@ -105,6 +105,10 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
         shift_labels = kwargs.pop("shift_labels", None)
         if return_logits is None:
             return_logits = labels is None or not self.training or self.return_logits_in_training
+        if self.training and kwargs.get("use_cache") is None:
+            # No KV cache in training: Transformers only turns packed sequences' position_ids into
+            # per-document masks without one, and a cache is dead weight in a training step.
+            kwargs["use_cache"] = False
 
         with capture_router_logits(self, ROUTER_TYPES) as router_logits:
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)

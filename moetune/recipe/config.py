@@ -158,6 +158,12 @@ class LoraConfig(LoraSettings):
 class DistributedConfig:
     parallelism: str = "fsdp"
     """Data parallelism when launched with several processes: "fsdp" (FSDP2) or "ddp"."""
+    ep_size: int = 1
+    """Expert parallelism (moetune's MoE architectures, under torchrun): experts split over this many
+    ranks, everything else FSDP2-sharded over all ranks, on one device mesh (moetune.distributed).
+    Must divide the number of processes and the number of experts; 1 = no expert parallelism."""
+    reduce_dtype: str = "float32"
+    """Gradient reduce-scatter dtype with ep_size > 1 ("float32" exact sums, or "bfloat16")."""
     backend: str = ""
     """torch.distributed backend; empty: nccl on GPU, gloo on CPU."""
 
@@ -197,6 +203,11 @@ def validate(config: JobConfig) -> JobConfig:
           f"{config.training.device!r} is not one of ('auto', 'cpu', 'cuda')")
     check(config.distributed.parallelism in PARALLELISMS, "distributed.parallelism",
           f"{config.distributed.parallelism!r} is not one of {PARALLELISMS}")
+    check(config.distributed.ep_size >= 1, "distributed.ep_size", f"must be >= 1, got {config.distributed.ep_size}")
+    check(config.distributed.ep_size == 1 or config.distributed.parallelism == "fsdp", "distributed.ep_size",
+          "expert parallelism shards the rest with FSDP2: set distributed.parallelism to 'fsdp'")
+    check(config.distributed.reduce_dtype in ("float32", "bfloat16"), "distributed.reduce_dtype",
+          f"{config.distributed.reduce_dtype!r} is not one of ('float32', 'bfloat16')")
     check(config.data.on_bad_row in ON_BAD_ROW, "data.on_bad_row",
           f"{config.data.on_bad_row!r} is not one of {ON_BAD_ROW}")
     for name, value in [

@@ -2,9 +2,10 @@
 
 Single process: nothing is initialised. Under torchrun (``moetune finetune --nproc-per-node N``
 or Slurm + torchrun) each rank takes its local GPU and the model is wrapped with FSDP2
-(``fully_shard`` per decoder layer, then the root) or DDP. This is plain data parallelism;
-expert parallelism comes from ``moetune.distributed.parallelize`` once the recipe switches to it,
-here, in ``wrap_model`` alone.
+(``fully_shard`` per decoder layer, then the root) or DDP: plain data parallelism. With
+``distributed.ep_size > 1`` the model comes already sharded from moetune's ``from_pretrained`` /
+``from_config`` (expert parallelism + FSDP2 on one mesh, ``moetune.distributed``) and is not
+wrapped again; its gradient norm is clipped by ``moetune.distributed.clip_grad_norm_``.
 """
 
 from __future__ import annotations
@@ -54,9 +55,21 @@ def init_runtime(training: TrainingConfig, dist_config: DistributedConfig) -> Ru
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
+def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora) -> dict | None:
+    """moetune's ``from_pretrained`` options for expert parallelism, or None for data parallelism."""
+    if not runtime.distributed or config.ep_size == 1:
+        return None
+    return {"ep_size": config.ep_size, "reduce_dtype": getattr(torch, config.reduce_dtype), "lora": lora}
+
+
+def is_sharded_by_moetune(model: torch.nn.Module) -> bool:
+    return getattr(model, "parallel_mesh", None) is not None
+
+
 def wrap_model(model: torch.nn.Module, runtime: Runtime, config: DistributedConfig) -> torch.nn.Module:
-    """Data-parallel wrapping (identity in one process). Returns the module to call."""
-    if not runtime.distributed:
+    """Data-parallel wrapping (identity in one process or for a model moetune already sharded).
+    Returns the module to call."""
+    if not runtime.distributed or is_sharded_by_moetune(model):
         return model
     if config.parallelism == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -73,6 +86,10 @@ def wrap_model(model: torch.nn.Module, runtime: Runtime, config: DistributedConf
 
 def clip_grad_norm(model: torch.nn.Module, *, max_norm: float) -> float:
     """Clip the global gradient norm (over all ranks' shards) to ``max_norm`` (0: only measure it)."""
+    if is_sharded_by_moetune(model):  # parameters on two meshes (experts / the rest)
+        from moetune.distributed import clip_grad_norm_
+
+        return float(clip_grad_norm_(model, max_norm if max_norm > 0 else float("inf")))
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm if max_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor norm

@@ -15,6 +15,13 @@ def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out
                  runtime: Runtime) -> Path:
     """``save_pretrained`` of the whole model (gathered from all ranks under FSDP2) and tokenizer:
     a folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads."""
+    if getattr(model, "parallel_mesh", None) is not None:
+        # Sharded by moetune: its save_pretrained gathers parameter by parameter on every rank.
+        model.save_pretrained(out_dir, is_main_process=runtime.is_main)
+        if runtime.is_main:
+            tokenizer.save_pretrained(out_dir)
+        barrier(runtime)
+        return out_dir
     state_dict = None
     if runtime.distributed:
         # Collective: every rank takes part, rank 0 receives the full tensors on the CPU.

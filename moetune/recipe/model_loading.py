@@ -39,15 +39,19 @@ def load_model_config(config: ModelConfig) -> PretrainedConfig:
 
 
 def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: torch.dtype,
-                device: torch.device) -> PreTrainedModel:
+                device: torch.device, sharding: dict | None = None) -> PreTrainedModel:
     """From ``pretrained_path`` (weights loaded) or from ``config_path`` (random init, seeded by
-    the caller), in train mode."""
+    the caller), in train mode. ``sharding`` (moetune's ``ep_size`` / ``lora`` / ``reduce_dtype``
+    options) returns a model already sharded over the ranks, each reading only its own weights."""
     kwargs = {"dtype": dtype}
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation
     if config.pretrained_path:
+        placement = sharding if sharding else {"device_map": str(device)}
         model = AutoModelForCausalLM.from_pretrained(config.pretrained_path, config=model_config,
-                                                     device_map=str(device), **kwargs)
+                                                     **placement, **kwargs)
+    elif sharding:
+        model = AutoModelForCausalLM.from_config(model_config, **sharding, **kwargs)
     else:
         model = AutoModelForCausalLM.from_config(model_config, **kwargs).to(device)
     if config.activation_checkpointing:

@@ -18,7 +18,7 @@ from moetune.recipe.config import JobConfig
 from moetune.recipe.config_loading import save_config, to_dict
 from moetune.recipe.dataset import PreparedData, prepare_data
 from moetune.recipe.distributed_setup import (
-    Runtime, all_reduce_sum, clip_grad_norm, init_runtime, shutdown, wrap_model,
+    Runtime, all_reduce_sum, clip_grad_norm, init_runtime, sharding_options, shutdown, wrap_model,
 )
 from moetune.recipe.interrupts import StopRequest
 from moetune.recipe.model_loading import build_model, load_model_config, load_tokenizer, model_fingerprint
@@ -163,13 +163,17 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
     model_config = load_model_config(config.model)
     data = prepare_data(config.data, tokenizer, seed=config.training.seed)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    hf_model = build_model(config.model, model_config=model_config, dtype=dtype, device=runtime.device)
+    lora = config.lora if config.lora.enabled else None
+    sharding = sharding_options(runtime, config.distributed, lora=lora)
+    hf_model = build_model(config.model, model_config=model_config, dtype=dtype, device=runtime.device,
+                           sharding=sharding)
     base_path = config.model.pretrained_path
-    if config.lora.enabled:
+    if lora is not None:
         base_path = base_path or _save_random_base(hf_model, tokenizer, out_dir / "base", runtime)
-        from moetune.lora import apply_lora
+        if sharding is None:  # sharded models got their adapters between expert parallelism and FSDP2
+            from moetune.lora import apply_lora
 
-        apply_lora(hf_model, config.lora)
+            apply_lora(hf_model, config.lora)
     model = wrap_model(hf_model, runtime, config.distributed)
     batching = {"micro_batch_size": config.training.micro_batch_size, "max_length": config.data.max_length,
                 "packed": config.data.packing, "pad_id": tokenizer.pad_token_id, "rank": runtime.rank,

@@ -50,3 +50,13 @@ def test_ddp_two_ranks_train_and_export(tmp_path):
     assert sorted(losses(records)) == [1, 2]
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ddp/final")
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
+
+
+def test_expert_parallel_two_ranks_train_resume_and_export(tmp_path):
+    ep = ("--distributed.ep_size", "2")
+    full = losses(run_job(tmp_path, tmp_path / "ep", "--training.steps", "4", "--checkpoint.every", "2", *ep))
+    resumed = losses(run_job(tmp_path, tmp_path / "ep-resumed", "--training.steps", "4", "--checkpoint.resume",
+                             str(tmp_path / "ep/checkpoints/step_00000002"), "--checkpoint.export_final", "false", *ep))
+    assert [resumed[3], resumed[4]] == [full[3], full[4]]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ep/final")
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
