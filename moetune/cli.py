@@ -4,6 +4,7 @@
     moetune finetune -c examples/qwen3_30b_a3b_sft.yaml --optim.lr 1e-5
     moetune finetune -c cfg.yaml --nproc-per-node 8     # re-executed through torchrun
     moetune finetune --help                            # every config field, its default and doc
+    moetune bench --layers 8 --routing both            # side by side with Transformers v5 (GPU)
 """
 
 from __future__ import annotations
@@ -71,9 +72,16 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return out
 
 
+def bench_main(argv: list[str]) -> int:
+    """``moetune bench``: Transformers v5 and moetune side by side (moetune/bench)."""
+    from moetune.bench.cli import main as run_bench  # imported on use: the recipe does not need it
+
+    return run_bench(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"finetune": finetune_main}
+    commands = {"finetune": finetune_main, "bench": bench_main}
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return 2
