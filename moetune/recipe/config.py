@@ -206,6 +206,9 @@ def validate(config: JobConfig) -> JobConfig:
     check(config.distributed.ep_size >= 1, "distributed.ep_size", f"must be >= 1, got {config.distributed.ep_size}")
     check(config.distributed.ep_size == 1 or config.distributed.parallelism == "fsdp", "distributed.ep_size",
           "expert parallelism shards the rest with FSDP2: set distributed.parallelism to 'fsdp'")
+    check(not (config.lora.enabled and config.lora.export_merged and config.distributed.ep_size > 1),
+          "lora.export_merged", "merging adapters into expert-parallel shards is not supported; set it to "
+          "false (the PEFT adapter is still exported; merge it in one process with moetune.lora.merge_lora)")
     check(config.distributed.reduce_dtype in ("float32", "bfloat16"), "distributed.reduce_dtype",
           f"{config.distributed.reduce_dtype!r} is not one of ('float32', 'bfloat16')")
     check(config.data.on_bad_row in ON_BAD_ROW, "data.on_bad_row",

@@ -39,12 +39,12 @@ def export_lora(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, outp
     """The adapters as a PEFT adapter (``adapter/``), and optionally the merged model (``final/``)."""
     from moetune.lora import export_peft_adapter, merge_lora
 
-    if runtime.distributed:
-        raise ValueError("lora.enabled: exporting adapters from several ranks is not supported yet; "
-                         "train LoRA in one process (FSDP2 + LoRA export is future work)")
+    # Collective under expert parallelism / FSDP2: every rank gathers its adapter shards, rank 0 writes.
     paths = {"adapter": export_peft_adapter(model, output_dir / "adapter",
                                             base_model_name_or_path=base_model_name_or_path)}
-    tokenizer.save_pretrained(output_dir / "adapter")
+    if runtime.is_main:
+        tokenizer.save_pretrained(output_dir / "adapter")
+    barrier(runtime)
     if merged:
         with torch.no_grad():
             merged_model = merge_lora(model)

@@ -335,9 +335,19 @@ def _num_experts(model_config: Any) -> int:
 
 def _save_random_base(model: torch.nn.Module, tokenizer: Any, path: Path, runtime: Runtime) -> str:
     """LoRA on a randomly initialised model: save that base, so the PEFT adapter has one to load onto."""
-    if runtime.is_main:
+    from moetune.lora.apply import is_lora_param_name
+    from moetune.recipe.distributed_setup import barrier, is_sharded_by_moetune
+
+    if is_sharded_by_moetune(model):
+        # A collective (every rank gathers its shards); the adapters, already added between expert
+        # parallelism and FSDP2, are not part of the base.
+        base = {k: v for k, v in model.state_dict().items() if not is_lora_param_name(k)}
+        model.save_pretrained(path, is_main_process=runtime.is_main, state_dict=base)
+    elif runtime.is_main:
         model.save_pretrained(path)
+    if runtime.is_main:
         tokenizer.save_pretrained(path)
+    barrier(runtime)
     return str(path)
 
 

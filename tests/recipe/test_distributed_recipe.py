@@ -60,3 +60,13 @@ def test_expert_parallel_two_ranks_train_resume_and_export(tmp_path):
     assert [resumed[3], resumed[4]] == [full[3], full[4]]
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ep/final")
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
+
+
+def test_lora_under_expert_parallelism_exports_a_peft_adapter(tmp_path):
+    import peft
+
+    run_job(tmp_path, tmp_path / "lora", "--training.steps", "2", "--distributed.ep_size", "2",
+            "--lora.enabled", "true", "--lora.target_experts", "true", "--lora.export_merged", "false")
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lora/base")
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "lora/adapter")
+    assert any("experts" in name for name, _ in model.named_parameters() if "lora" in name)
