@@ -111,6 +111,11 @@ def all_reduce_sum(values: list[float], runtime: Runtime) -> list[float]:
     return t.tolist()
 
 
-def shutdown(runtime: Runtime) -> None:
+def shutdown(runtime: Runtime, *, clean: bool = True) -> None:
+    """Leave the process group. After a clean run every rank first waits for the others (tearing
+    gloo down while a peer still sends can abort the process); after an error it does not wait, as
+    the other ranks may never arrive."""
     if runtime.distributed and dist.is_initialized():
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()

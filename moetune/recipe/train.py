@@ -112,6 +112,7 @@ def finetune(config: JobConfig) -> FinetuneResult:
     """Run the job described by ``config`` (already validated) and export the result."""
     runtime = init_runtime(config.training, config.distributed)
     threads_before = torch.get_num_threads()  # restored at the end: a library call must not leak it
+    clean = False
     try:
         if config.training.num_threads:
             torch.set_num_threads(config.training.num_threads)
@@ -125,12 +126,14 @@ def finetune(config: JobConfig) -> FinetuneResult:
         result.step, result.interrupted = training_loop(job, config, sink, step=step, losses=result.losses)
         if result.interrupted:
             sink.close()
+            clean = True
             return result
         finish(job, config, sink, result)
+        clean = True
         return result
     finally:
         torch.set_num_threads(threads_before)
-        shutdown(runtime)
+        shutdown(runtime, clean=clean)
 
 
 @dataclass

@@ -33,6 +33,8 @@ def _entry(rank: int, world_size: int, store_file: str, fn, args) -> None:
     except BaseException:
         traceback.print_exc()
         raise
+    else:
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 

@@ -30,6 +30,7 @@ def _worker(rank: int, port: int) -> None:
     try:
         _check_expert_parallel(rank)
         _check_fsdp2(rank)
+        dist.barrier()  # no rank tears gloo down while a peer still talks to it
     finally:
         dist.destroy_process_group()
 
