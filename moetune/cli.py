@@ -56,7 +56,15 @@ def finetune_main(argv: list[str]) -> int:
         # message says what and where; a traceback would only hide it.
         print(f"moetune finetune: error: {err}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1
-    return 130 if result.interrupted else 0  # 128 + SIGINT, the shell's convention
+    code = 130 if result.interrupted else 0  # 128 + SIGINT, the shell's convention
+    if "LOCAL_RANK" in os.environ:
+        # A torchrun worker whose job is done and whose files are written and closed: exit now.
+        # Interpreter teardown after torch.distributed (gloo) sometimes aborts with "terminate called
+        # without an active exception", which would turn a finished run into a failed one.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
