@@ -29,12 +29,20 @@ def test_activation_checkpointing_gives_the_same_losses(tiny_job, tmp_path):
     assert recomputed.losses == pytest.approx(plain.losses, rel=1e-5)
 
 
-def test_missing_optional_sinks_only_warn(tiny_job, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
-    try:
-        import tensorboard  # noqa: F401
-        pytest.skip("tensorboard is installed: nothing to degrade")
-    except ImportError:
-        pass
+def test_missing_optional_sinks_only_warn(tiny_job, tmp_path, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
     finetune(tiny_job(tmp_path / "tb", training__steps=1, metrics__tensorboard="true"))
     assert "tensorboard is not installed" in capsys.readouterr().err
+
+
+def test_tensorboard_receives_the_metrics(tiny_job, tmp_path):
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator", reason="tensorboard is a test extra"
+    )
+    finetune(tiny_job(tmp_path / "tb", training__steps=2, metrics__tensorboard="true", metrics__log_every="1"))
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
+    events.Reload()
+    assert "loss" in events.Tags()["scalars"]
+    assert [e.step for e in events.Scalars("loss")] == [1, 2]
