@@ -7,28 +7,18 @@ import os
 import platform
 import re
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from moetune.utils.process import ProcessInfo
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-@dataclass(frozen=True)
-class RunEnv:
-    device: torch.device
-    rank: int
-    world_size: int
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
+# The benchmark's view of the process: rank, world size and device (no extra fields).
+RunEnv = ProcessInfo
 
 
 def setup(device: str | None = None) -> RunEnv:

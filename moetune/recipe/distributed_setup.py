@@ -17,24 +17,14 @@ import torch
 import torch.distributed as dist
 
 from moetune.recipe.config import DistributedConfig, TrainingConfig
+from moetune.utils.process import ProcessInfo
 
 
 @dataclass(frozen=True)
-class Runtime:
-    """Where this process runs."""
+class Runtime(ProcessInfo):
+    """Where this process runs (``local_rank``: its GPU index on the node)."""
 
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
+    local_rank: int = 0
 
 
 def init_runtime(training: TrainingConfig, dist_config: DistributedConfig) -> Runtime:
