@@ -36,6 +36,9 @@ class ModelConfig:
     position_ids: all of these do (see data README)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass (less memory, ~30% slower)."""
+    activation_checkpointing_mode: str = "full"
+    """With activation_checkpointing: "full" (keep each layer's input, recompute the layer) or
+    "selective" (keep GEMM and attention outputs, recompute norms, RoPE, SwiGLU, permutation)."""
     router_aux_loss_coef: float | None = None
     """Weight of the MoE load-balancing loss; None keeps the model config's value, 0 disables it."""
 
@@ -203,6 +206,8 @@ def validate(config: JobConfig) -> JobConfig:
           f"{config.training.device!r} is not one of ('auto', 'cpu', 'cuda')")
     check(config.distributed.parallelism in PARALLELISMS, "distributed.parallelism",
           f"{config.distributed.parallelism!r} is not one of {PARALLELISMS}")
+    check(config.model.activation_checkpointing_mode in ("full", "selective"), "model.activation_checkpointing_mode",
+          f"{config.model.activation_checkpointing_mode!r} is not one of ('full', 'selective')")
     check(config.distributed.ep_size >= 1, "distributed.ep_size", f"must be >= 1, got {config.distributed.ep_size}")
     check(config.distributed.ep_size == 1 or config.distributed.parallelism == "fsdp", "distributed.ep_size",
           "expert parallelism shards the rest with FSDP2: set distributed.parallelism to 'fsdp'")

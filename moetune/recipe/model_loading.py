@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from moetune import AutoModelForCausalLM
+from moetune.layers.activation_checkpointing import enable_activation_checkpointing
 from moetune.recipe.config import ModelConfig
 
 
@@ -55,12 +56,7 @@ def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: t
     else:
         model = AutoModelForCausalLM.from_config(model_config, **kwargs).to(device)
     if config.activation_checkpointing:
-        # Non-reentrant: works with frozen inputs (LoRA) and with FSDP2. Transformers >= 5.2x renamed
-        # gradient_checkpointing_enable (now a deprecated alias); older v5 releases only have it.
-        if hasattr(model, "activation_checkpointing_enable"):
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model, config.activation_checkpointing_mode)
     model.train()
     return model
 

@@ -23,9 +23,11 @@ def test_bf16_precisions_train(tiny_job, tmp_path, precision):
     assert len(result.losses) == 3 and all(loss == loss for loss in result.losses)
 
 
-def test_activation_checkpointing_gives_the_same_losses(tiny_job, tmp_path):
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_gives_the_same_losses(tiny_job, tmp_path, mode):
     plain = finetune(tiny_job(tmp_path / "plain", training__steps=2))
-    recomputed = finetune(tiny_job(tmp_path / "ckpt", training__steps=2, model__activation_checkpointing="true"))
+    recomputed = finetune(tiny_job(tmp_path / "ckpt", training__steps=2, model__activation_checkpointing="true",
+                                   model__activation_checkpointing_mode=mode))
     assert recomputed.losses == pytest.approx(plain.losses, rel=1e-5)
 
 
