@@ -47,6 +47,23 @@ class MoetuneInitMixin:
             hf_init.normal_(module.weight, mean=0.0, std=std)
 
 
+class MoetuneBaseModelMixin(MoetuneInitMixin):
+    """The inner (decoder-only) model's forward returns moetune's router logits in
+    ``router_logits`` when asked (``output_router_logits`` or the config's default), as
+    Transformers' MoE base models do: callers that run the backbone themselves (TRL's fused
+    LM-head loss, custom heads) compute the aux loss from them."""
+
+    def forward(self, *args, output_router_logits: bool | None = None, **kwargs):
+        if output_router_logits is None:
+            output_router_logits = bool(getattr(self.config, "output_router_logits", False))
+        if not output_router_logits:
+            return super().forward(*args, **kwargs)
+        with capture_router_logits(self, ROUTER_TYPES) as router_logits:
+            outputs = super().forward(*args, **kwargs)
+        outputs.router_logits = tuple(router_logits)
+        return outputs
+
+
 class MoetuneCausalLMMixin(MoetuneInitMixin):
     """Forward with the fused LM-head loss and the aux loss, and a streaming, shard-aware
     ``save_pretrained``; put it first among the bases."""
@@ -110,8 +127,10 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
             # per-document masks without one, and a cache is dead weight in a training step.
             kwargs["use_cache"] = False
 
-        with capture_router_logits(self, ROUTER_TYPES) as router_logits:
-            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        outputs = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, output_router_logits=output_router_logits, **kwargs
+        )
+        router_logits = outputs.router_logits if output_router_logits else None
         hidden_BSH = outputs.last_hidden_state
 
         logits = loss = None
@@ -153,7 +172,7 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
             logits=logits,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
-            router_logits=tuple(router_logits) if output_router_logits else None,
+            router_logits=router_logits,
             **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD, None)},
         )
         return output if return_dict is not False else output.to_tuple()

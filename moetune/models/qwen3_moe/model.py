@@ -12,7 +12,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
 from moetune.kernels import RMSNorm, apply_rope
-from moetune.models.causal_lm import MoetuneCausalLMMixin, MoetuneInitMixin
+from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.moe import GroupedExperts, MoEBlock, SoftmaxTopKRouter
 
 
@@ -94,7 +94,7 @@ class Qwen3MoeDecoderLayer(hf.Qwen3MoeDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class Qwen3MoeModel(MoetuneInitMixin, hf.Qwen3MoeModel):
+class Qwen3MoeModel(MoetuneBaseModelMixin, hf.Qwen3MoeModel):
     def __init__(self, config) -> None:
         hf.Qwen3MoePreTrainedModel.__init__(self, config)
         self.padding_idx = config.pad_token_id
