@@ -14,8 +14,8 @@ from moetune.recipe.config import OptimConfig
 
 
 def build_optimizer(params: list[torch.nn.Parameter], config: OptimConfig, *,
-                    device: torch.device) -> torch.optim.AdamW:
-    """AdamW over trainable params; fused (one kernel for all parameters) where the device has it."""
+                    device: torch.device) -> torch.optim.Optimizer:
+    """AdamW over trainable params: moetune's kernel on CUDA, torch's fused kernel on CPU."""
     if not params:
         raise ValueError("no trainable parameters (with lora.enabled, check lora.targets)")
     decay = [p for p in params if p.ndim >= 2]
@@ -23,9 +23,14 @@ def build_optimizer(params: list[torch.nn.Parameter], config: OptimConfig, *,
     groups = [{"params": decay, "weight_decay": config.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
-    fused = device.type in ("cuda", "cpu")
+    if device.type == "cuda":
+        # The same update as torch's fused AdamW, one Triton kernel per tensor: about twice its
+        # bandwidth on large expert tensors (benchmarks/README.md).
+        from moetune.optim import AdamW
+
+        return AdamW(groups, lr=lr_at(0, config, total_steps=1), betas=tuple(config.betas), eps=config.eps)
     return torch.optim.AdamW(groups, lr=lr_at(0, config, total_steps=1), betas=tuple(config.betas),
-                             eps=config.eps, fused=fused)
+                             eps=config.eps, fused=device.type == "cpu")
 
 
 def lr_at(step: int, config: OptimConfig, *, total_steps: int) -> float:

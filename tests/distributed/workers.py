@@ -150,18 +150,18 @@ def _check_save_equal(model, ref, folder: Path, rank: int) -> None:
     dist.barrier()
 
 
-def dcp_resume(rank: int, world_size: int, folder: str, ep: int, out: str) -> None:
+def dcp_resume(rank: int, world_size: int, folder: str, ep: int, out: str, optimizer_cls=torch.optim.AdamW) -> None:
     """Save model + AdamW state with DCP after two steps, load them into a freshly loaded model and
     optimizer: the next step's loss and parameters equal those of the run that kept going."""
     vocab = 64
     model = _load(folder, ep_size=ep)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = optimizer_cls(model.parameters(), lr=1e-2)
     for step in range(2):
         distributed_loss(model, step, rank, world_size, vocab).backward()
         clip_grad_norm_(model, 1.0)
         opt.step()
         opt.zero_grad()
-    path = Path(out) / "dcp"
+    path = Path(out) / f"dcp-{optimizer_cls.__module__}"
     save_distributed_checkpoint(model, opt, path)
     loss = distributed_loss(model, 2, rank, world_size, vocab)
     loss.backward()
@@ -170,7 +170,7 @@ def dcp_resume(rank: int, world_size: int, folder: str, ep: int, out: str) -> No
     after = {n: gathered(p.data).clone() for n, p in model.named_parameters()}
 
     resumed = _load(folder, ep_size=ep)
-    resumed_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    resumed_opt = optimizer_cls(resumed.parameters(), lr=1e-2)
     load_distributed_checkpoint(resumed, resumed_opt, path)
     loss = distributed_loss(resumed, 2, rank, world_size, vocab)
     loss.backward()
@@ -205,6 +205,9 @@ def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str,
     del plain
     train_parity(rank, world_size, folder, 2, out)
     dcp_resume(rank, world_size, folder, 2, out)
+    from moetune.optim import AdamW
+
+    dcp_resume(rank, world_size, folder, 2, out, optimizer_cls=AdamW)  # moetune's optimizer: same state layout
     # Activation checkpointing (Transformers' switch) recomputes the routing and the all-to-alls identically.
     one_step_parity(rank, world_size, folder, what="ep=2 + activation checkpointing", ep_size=2, enable_ac=True)
     # A user's mesh; ep = 1 over it is plain FSDP2 over both ranks.
