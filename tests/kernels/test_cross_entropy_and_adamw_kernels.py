@@ -1,0 +1,43 @@
+"""The CE-gradient kernel (fused LM-head loss) and the AdamW kernel against their PyTorch
+references, under Triton's CPU interpreter (run by test_interpret_mode.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moetune.kernels.cross_entropy import cross_entropy_grad_, cross_entropy_grad_reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_grad_kernel_in_interpreter(interpret, dtype):
+    torch.manual_seed(0)
+    logits = (torch.randn(5, 9000) * 3).to(dtype)  # several vocabulary blocks per row
+    targets = torch.randint(0, 9000, (5,))
+    targets[2] = -100
+    normalizer = torch.tensor(4.0)
+    kernel, reference = logits.clone(), logits.clone()
+    loss = cross_entropy_grad_(kernel, targets, normalizer, impl="triton")
+    expected = cross_entropy_grad_reference(reference, targets, normalizer, -100)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(loss, expected.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(kernel.float(), reference.float(), rtol=tol, atol=tol)
+    assert torch.all(kernel[2] == 0)  # ignored row: no gradient
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adamw_kernel_in_interpreter(interpret, dtype):
+    from moetune.optim.adamw import _triton_step
+
+    torch.manual_seed(0)
+    param, grad = torch.randn(10_000).to(dtype), torch.randn(10_000).to(dtype)
+    exp_avg, exp_avg_sq = (torch.randn(10_000) * 0.1).to(dtype), (torch.rand(10_000) * 0.1).to(dtype)
+    ref = [t.float().clone() for t in (param, grad, exp_avg, exp_avg_sq)]
+    _triton_step(param, grad, exp_avg, exp_avg_sq, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=3)
+    torch.optim._functional.adamw(
+        [ref[0]], [ref[1]], [ref[2]], [ref[3]], [], [torch.tensor(2.0)], amsgrad=False, beta1=0.9, beta2=0.99,
+        lr=1e-2, weight_decay=0.1, eps=1e-8, maximize=False,
+    )  # fmt: skip  (the functional step increments 2 -> 3)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    for got, want in zip((param, exp_avg, exp_avg_sq), (ref[0], ref[2], ref[3])):
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
