@@ -66,6 +66,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             kwargs.pop(name, None)
 
         folder = resolve_checkpoint_folder(pretrained_model_name_or_path, **hub)
+        config_overrides = set(kwargs)  # what is left are config fields (checked by _load_config)
         if config is None:
             config = _load_config(folder, trust_remote_code=trust_remote_code, overrides=kwargs)
         elif kwargs:
@@ -74,10 +75,9 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         if family is None:
             _check_fallback_options(config, options)
             _prefer_moetune_experts(config, fallback_kwargs)
+            for key in config_overrides:
+                fallback_kwargs.pop(key)  # already applied to the config
             fallback_kwargs["config"] = config
-            for key in list(fallback_kwargs):
-                if hasattr(config, key) and key not in HUB_KWARGS:
-                    fallback_kwargs.pop(key)  # already applied to the config
             return transformers.AutoModelForCausalLM.from_pretrained(
                 pretrained_model_name_or_path, *model_args, **fallback_kwargs
             )

@@ -41,3 +41,10 @@ def test_fallback_loads_and_trains(arch, tmp_path):
 def test_fallback_refuses_expert_parallel():
     with pytest.raises(ValueError, match="ep_size / device_mesh need an architecture moetune implements"):
         moetune.AutoModelForCausalLM.from_config(CONFIGS["llama"](), ep_size=2)
+
+
+def test_fallback_keeps_loading_arguments_and_applies_config_overrides(tmp_path):
+    transformers.AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(tmp_path)
+    model = moetune.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, rms_norm_eps=1e-3)
+    assert model.dtype == torch.bfloat16  # a loading argument, not a config field
+    assert model.config.rms_norm_eps == 1e-3
