@@ -128,8 +128,11 @@ def run_experts(
         for expert, rows_NH in enumerate(torch.split(x_NH[: sum(counts)], counts))
         if rows_NH.shape[0] > 0
     ]
-    # Keep the weights in the graph even with no rows, so every rank's backward has the same shape.
-    outputs.append(x_NH.new_zeros(x_NH.shape[0] - sum(counts), down_proj.shape[1]) + 0 * (in_proj.sum() + down_proj.sum()))
+    num_padding = x_NH.shape[0] - sum(counts)
+    if num_padding or not outputs:
+        # Padding rows give zeros; with no real rows the weights still join the graph (every rank's
+        # backward then has the same shape).
+        outputs.append(x_NH.new_zeros(num_padding, down_proj.shape[1]) + 0 * (in_proj.sum() + down_proj.sum()))
     return torch.cat(outputs)
 
 
