@@ -10,6 +10,7 @@ half-written checkpoint where a good one was.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -112,7 +113,7 @@ def _finalize(model: nn.Module, target: Path, staging: Path, written: list[Path]
             for key in handle.keys():
                 weight_map[key] = name
                 view = handle.get_slice(key)
-                total += _numel(view.get_shape()) * _dtype_bytes(view.get_dtype())
+                total += math.prod(view.get_shape()) * _dtype_bytes(view.get_dtype())
         path.rename(staging / name)
     if len(written) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
@@ -137,13 +138,6 @@ def _model_class(model: nn.Module) -> type:
     if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2:
         return cls.__bases__[1]
     return cls
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def _dtype_bytes(dtype: str) -> int:
