@@ -57,12 +57,14 @@ def build(side: str, layers: int, balanced: bool):
 
 
 def run(side: str, args) -> dict:
+    """Sides: hf, moetune, and moetune variants: +adamw (moetune's AdamW kernel), +inbwd (stepped
+    during backward), +graph (moetune.training.CUDAGraphTrainStep with the capturable kernel)."""
     model = build(side.split("+")[0], args.layers, args.routing == "balanced")
-    if "+adamw" in side:  # moetune's AdamW kernel instead of torch's fused AdamW
+    if "+adamw" in side or "+graph" in side:
         from moetune.optim import AdamW
 
-        opt = AdamW(model.parameters(), lr=1e-5)
-    elif "+inbwd" in side:  # ... and stepped during backward on a side stream
+        opt = AdamW(model.parameters(), lr=1e-5, capturable="+graph" in side)
+    elif "+inbwd" in side:
         from moetune.optim import AdamWInBackward
 
         opt = AdamWInBackward(model.parameters(), lr=1e-5)
@@ -71,25 +73,25 @@ def run(side: str, args) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (args.micro_batch, args.seq_len), device="cuda", generator=gen)
 
-    def forward(input_ids):
-        return model(input_ids=input_ids, labels=input_ids).loss
+    if "+graph" in side:
+        from moetune.training import CUDAGraphTrainStep
 
-    if "+graph" in side:  # experiment: the whole forward+backward as one CUDA graph (no launch gaps)
-        class LossOf(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.model = model
+        graphed = CUDAGraphTrainStep(model, opt, warmup_steps=2)
 
-            def forward(self, input_ids):
-                return forward(input_ids)
+        def step():
+            return graphed.forward_backward(input_ids=ids, labels=ids)
 
-        forward = torch.cuda.make_graphed_callables(LossOf(), (ids,))
-        opt.zero_grad(set_to_none=False)
+        def optimizer_step():
+            graphed.optimizer_step()
+    else:
+        def step():
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            return loss
 
-    def step():
-        loss = forward(ids)
-        loss.backward()
-        return loss
+        def optimizer_step():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
     fwd_bwd, optim = [], []
     for i in range(args.warmup + args.steps):
@@ -101,8 +103,7 @@ def run(side: str, args) -> dict:
         t0.record()
         step()
         t1.record()
-        opt.step()
-        opt.zero_grad(set_to_none="+graph" not in side)  # graphs write into fixed gradient buffers
+        optimizer_step()
         t2.record()
         torch.cuda.synchronize()
         if i >= args.warmup:
@@ -116,33 +117,55 @@ def run(side: str, args) -> dict:
         "tokens_per_s": args.micro_batch * args.seq_len / (statistics.median(fwd_bwd) + statistics.median(optim)) * 1e3,
         "peak_gib": peak,
     }
-    if args.sync_debug:
+    if args.sync_debug and "+graph" not in side:
         import warnings
 
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")  # prints every host synchronisation with its stack
         step()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        optimizer_step()
         torch.cuda.set_sync_debug_mode(0)
         torch.cuda.synchronize()
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
         activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.cpu_profile else [])
+        torch.cuda.synchronize()
         with profile(activities=activities) as prof:
             step()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            optimizer_step()
             torch.cuda.synchronize()
-        print(f"==== {side}: top CUDA kernels of one step ====")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70))
+        print(f"==== {side}: top CUDA kernels of one step (by self CUDA time) ====")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=90))
+        result.update(gpu_timeline(prof))
+        print(f"==== {side}: GPU timeline: {json.dumps({k: v for k, v in result.items() if k.startswith('timeline')})}")
         if args.cpu_profile:
             print(f"==== {side}: top CPU ops of one step ====")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=70))
     del model, opt
     torch.cuda.empty_cache()
     return result
+
+
+def gpu_timeline(prof) -> dict:
+    """Span of the profiled step on the GPU, the time some kernel ran (busy) and the idle rest."""
+    intervals = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    if not intervals:
+        return {}
+    busy, (cur_start, cur_end) = 0.0, intervals[0]
+    for start, end in intervals[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = max(e for _, e in intervals) - intervals[0][0]
+    return {"timeline_span_ms": span / 1e3, "timeline_busy_ms": busy / 1e3, "timeline_idle_ms": (span - busy) / 1e3}
 
 
 def main() -> None:

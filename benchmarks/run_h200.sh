@@ -10,8 +10,14 @@
 #      limits (Transformers: 49,152 fits, 65,536 does not, per the brief; moetune from 98,304)
 #   6. a compact table of every result file, printed last
 # Results (JSON + PNG per run, and this log) go to $OUT (default benchmarks/results).
+# STAGES picks stages (default: versions parity rowA strict 16l rowD); the others:
+#   gputests  the GPU-marked tests of the CUDA-graph step, optimizer and kernels
+#   graph     row A with moetune's step replayed from CUDA graphs (--moetune-cuda-graph)
+#   graph16l  moetune alone at 16 layers, eager and graphed (the one-GPU reference of row B)
+#   profile   benchmarks/profile_step.py: kernels and GPU idle time of one step, eager and graphed
 #
 #   OUT=/some/dir bash benchmarks/run_h200.sh
+#   STAGES="versions gputests graph profile" OUT=/some/dir bash benchmarks/run_h200.sh
 #   BUDGET_S=330: rows B and C start only before this many seconds; LIMIT_S=570: hard stop
 #   EXTRA="--config tiny --device cpu --steps 2 --warmup 1": extra flags for every run (smoke test)
 set -uo pipefail
@@ -34,7 +40,11 @@ bench() {
   timeout "$t" python -m moetune.bench --out "$OUT" "${@:2}" ${EXTRA:-} || status=1
 }
 
-echo "== $(date -u +%FT%TZ) commit $MOETUNE_COMMIT"
+STAGES=" ${STAGES:-versions parity rowA strict 16l rowD} "
+stage() { [[ "$STAGES" == *" $1 "* ]]; }
+
+echo "== $(date -u +%FT%TZ) commit $MOETUNE_COMMIT stages:$STAGES"
+if stage versions; then
 python - <<'PY'
 import platform, torch, transformers
 try:
@@ -46,24 +56,58 @@ print(f"python {platform.python_version()} torch {torch.__version__} (cuda {torc
 print("gpus:", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
 PY
 nvidia-smi || true
+fi
 
-echo "== parity (correctness before timing)"
-bench 150 --parity-only --parity-layers 2 --parity-seq-len 1024 --parity-routing real
+if stage gputests; then
+  echo "== GPU tests"
+  timeout 240 python -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph_step.py tests/test_optim.py \
+    tests/test_gpu_losses.py || status=1
+fi
 
-echo "== row A: 8 layers, seq 4096, mb 1, real + balanced; moetune AdamW kernel"
-bench 150 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --moetune-optimizer moetune
+if stage parity; then
+  echo "== parity (correctness before timing)"
+  bench 150 --parity-only --parity-layers 2 --parity-seq-len 1024 --parity-routing real
+fi
 
-echo "== row A, strict optimizer: moetune with torch's fused AdamW"
-bench 90 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer torch
+if stage profile; then
+  echo "== profile of one step, eager and graphed (8 layers, real routing)"
+  timeout 200 python benchmarks/profile_step.py --layers 8 --sides moetune+adamw,moetune+graph --profile --top 45 \
+    2>&1 | tee "$OUT/profile_graph_h200.txt" || status=1
+fi
 
-echo "== moetune alone, 16 layers (one-GPU reference for row B)"
-bench 90 --layers 16 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune
+if stage rowA; then
+  echo "== row A: 8 layers, seq 4096, mb 1, real + balanced; moetune AdamW kernel"
+  bench 150 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --moetune-optimizer moetune
+fi
 
+if stage graph; then
+  echo "== row A, moetune's step replayed from CUDA graphs (Transformers side measured in the same run)"
+  bench 150 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --moetune-optimizer moetune --moetune-cuda-graph
+fi
+
+if stage strict; then
+  echo "== row A, strict optimizer: moetune with torch's fused AdamW"
+  bench 90 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer torch
+fi
+
+if stage 16l; then
+  echo "== moetune alone, 16 layers (one-GPU reference for row B)"
+  bench 90 --layers 16 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune
+fi
+
+if stage graph16l; then
+  echo "== moetune alone, 16 layers, graphed (one-GPU reference for row B)"
+  bench 90 --layers 16 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune \
+    --moetune-cuda-graph
+fi
+
+if stage rowD; then
 echo "== row D: longest sequence (AC on, real routing)"
 bench 120 --probe-max-seq --sides hf --layers 8 --routing real --activation-checkpointing on \
   --probe-start 49152 --probe-step 16384 --probe-max 65536 --probe-search linear --probe-timeout 110
 bench 150 --probe-max-seq --sides moetune --layers 8 --routing real --activation-checkpointing on \
   --probe-start 98304 --probe-step 32768 --probe-max 163840 --probe-search linear --probe-timeout 110
+fi
 
 echo "== summary (${SECONDS}s)"
 mapfile -t results < <(find "$OUT" -maxdepth 1 -name '*.json' -newer "$marker" -printf '%T@ %p\n' | sort -n | cut -d' ' -f2-)

@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="moetune side's AdamW: torch's fused one (same as Transformers' side), moetune's kernel, or "
         "moetune's stepped during backward",
     )
+    p.add_argument(
+        "--moetune-cuda-graph", action="store_true",
+        help="moetune side replays each step from CUDA graphs (moetune.training.CUDAGraphTrainStep; one GPU, "
+        "capturable optimizer)",
+    )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
         "--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path"
@@ -114,6 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe_max_seq:
         return _probe(args, sides)
     env = setup(args.device)
+    if args.moetune_cuda_graph and (env.distributed or env.device.type != "cuda"):
+        teardown(env)
+        raise SystemExit("--moetune-cuda-graph needs one CUDA GPU (expert parallelism syncs with the host)")
+    if args.moetune_cuda_graph and args.moetune_optimizer == "moetune-in-backward":
+        teardown(env)
+        raise SystemExit("--moetune-cuda-graph cannot capture --moetune-optimizer moetune-in-backward")
     try:
         return _bench(args, env, sides)
     finally:
@@ -179,6 +190,7 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "dtype": "bfloat16 parameters, gradients and AdamW states",
             "optimizer": _optimizer_name(env.device),
             "moetune_optimizer": args.moetune_optimizer,
+            "moetune_cuda_graph": args.moetune_cuda_graph,
             "moetune_options": _moetune_options(args),
         },
         "model_config": config.to_dict(),
@@ -309,7 +321,7 @@ def _bench_side(
     run_rows(
         bench, rows, env=env, flops_per_token={args.seq_len: data["flops_per_token"]},
         peak_tflops=data["matmul_peak_tflops"], warmup=args.warmup, steps=args.steps, seed=args.seed, lr=args.lr,
-        on_result=on_result, moetune_optimizer=args.moetune_optimizer,
+        on_result=on_result, moetune_optimizer=args.moetune_optimizer, moetune_cuda_graph=args.moetune_cuda_graph,
     )
     del bench
     _free(env)

@@ -131,19 +131,26 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
 OPTIMIZERS = ("torch", "moetune", "moetune-in-backward")
 
 
-def make_optimizer(model: torch.nn.Module, *, lr: float, device: torch.device, kind: str = "torch") -> torch.optim.Optimizer:
+def make_optimizer(
+    model: torch.nn.Module, *, lr: float, device: torch.device, kind: str = "torch", capturable: bool = False
+) -> torch.optim.Optimizer:
     """AdamW over the model's own (bf16) parameters, so its states are bf16 too (the published setting):
     ``torch`` = torch.optim.AdamW, fused on CUDA, foreach elsewhere; ``moetune`` = moetune.optim.AdamW
-    (same update, one Triton kernel per tensor); ``moetune-in-backward`` = moetune.optim.AdamWInBackward."""
+    (same update, one Triton kernel per tensor); ``moetune-in-backward`` = moetune.optim.AdamWInBackward.
+    ``capturable``: step counters and learning rate on the device (CUDA-graph capture)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if kind not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {kind!r}")
+    if capturable and kind == "moetune-in-backward":
+        raise ValueError("the in-backward optimizer steps inside autograd hooks and cannot be captured in a CUDA graph")
     if kind != "torch":
         from moetune.optim import AdamW, AdamWInBackward
 
-        return (AdamW if kind == "moetune" else AdamWInBackward)(params, lr=lr, weight_decay=0.0)
+        if kind == "moetune":
+            return AdamW(params, lr=lr, weight_decay=0.0, capturable=capturable)
+        return AdamWInBackward(params, lr=lr, weight_decay=0.0)
     if device.type == "cuda":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True, capturable=capturable)
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=True)
 
 

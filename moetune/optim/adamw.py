@@ -7,7 +7,11 @@ parameter, gradient and two moments, write three), so the kernel's job is to str
 bytes per bf16 element at full bandwidth; one launch per tensor with large blocks does that better
 than the multi-tensor-apply chunking of torch's fused kernel on 100-500 MB expert tensors.
 
-Bias corrections are computed on the host from a Python step counter (no device sync).
+Bias corrections are computed on the host from a Python step counter (no device sync). With
+``capturable=True`` the step counters and the learning rate live on the device instead and the
+kernel reads them, so the step can be captured in a CUDA graph and replayed (see
+``moetune.training.CUDAGraphTrainStep``); the learning rate is then a 0-d tensor that schedulers
+update in place (``group["lr"].fill_(lr)``, which torch's LR schedulers do for tensor rates).
 """
 
 from __future__ import annotations
@@ -27,8 +31,15 @@ if HAS_TRITON:
     def _adamw_kernel(
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, num_elements,
         lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
-        BLOCK: tl.constexpr,
+        lr_ptr, step_ptr, log2_beta1, log2_beta2,
+        BLOCK: tl.constexpr, LR_ON_DEVICE: tl.constexpr, STEP_ON_DEVICE: tl.constexpr,
     ):  # fmt: skip
+        if LR_ON_DEVICE:
+            lr = tl.load(lr_ptr).to(tl.float32)
+        if STEP_ON_DEVICE:  # beta**step as exp2(step * log2(beta)): fp32, like torch's capturable AdamW
+            step = tl.load(step_ptr).to(tl.float32)
+            bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
+            bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < num_elements
         param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
@@ -51,50 +62,85 @@ class AdamW(torch.optim.Optimizer):
 
     Parameters that are not contiguous CUDA tensors, or any parameter when Triton is missing,
     take ``torch.optim.AdamW``'s functional step, so results agree everywhere.
+
+    ``capturable=True`` (CUDA parameters and Triton only) keeps each ``step`` and every group's
+    ``lr`` as device tensors read by the kernel: no host value is baked into the launches, so the
+    step can be captured in a CUDA graph.
     """
 
     def __init__(
         self,
         params: Iterable[torch.nn.Parameter] | Iterable[dict],
-        lr: float = 1e-3,
+        lr: float | torch.Tensor = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        *,
+        capturable: bool = False,
     ) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+        if float(lr) < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyper-parameters: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=capturable)
+        super().__init__(params, defaults)
+        if capturable:
+            for group in self.param_groups:
+                _require_capturable(group["params"])
+                device = group["params"][0].device
+                group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(device)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
         for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self._step_param(param, group)
+            params = [param for param in group["params"] if param.grad is not None]
+            for param in params:
+                self._init_state(param, group)
+            if group["capturable"] and params:
+                torch._foreach_add_([self.state[param]["step"] for param in params], 1.0)
+            for param in params:
+                self._step_param(param, group)
         return loss
+
+    def _init_state(self, param: torch.Tensor, group: dict) -> None:
+        state = self.state[param]
+        if not state:
+            step_device = param.device if group["capturable"] else "cpu"
+            state["step"] = torch.zeros((), dtype=torch.float32, device=step_device)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
     @torch.no_grad()
     def _step_param(self, param: torch.Tensor, group: dict) -> None:
         beta1, beta2 = group["betas"]
         state = self.state[param]
-        if not state:
-            state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        self._init_state(param, group)  # AdamWInBackward steps one parameter at a time
         local = _local(param)
-        if HAS_TRITON and local.is_cuda and local.is_contiguous() and _local(param.grad).is_contiguous():
+        if group["capturable"]:  # step already incremented on the device (``step``)
+            _triton_step(local, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
+                         lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], step=state["step"])  # fmt: skip
+        elif HAS_TRITON and local.is_cuda and local.is_contiguous() and _local(param.grad).is_contiguous():
             state["step"] += 1
             step = int(state["step"].item())  # a host tensor: no device sync
             _triton_step(local, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                         lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                          weight_decay=group["weight_decay"], step=step)  # fmt: skip
         else:  # increments state["step"] itself
             torch.optim._functional.adamw(
                 [param], [param.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
-                amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                amsgrad=False, beta1=beta1, beta2=beta2, lr=float(group["lr"]), weight_decay=group["weight_decay"],
                 eps=group["eps"], maximize=False,
             )  # fmt: skip
+
+
+def _require_capturable(params: list[torch.Tensor]) -> None:
+    for param in params:
+        local = _local(param)
+        if not (HAS_TRITON and local.is_cuda and local.is_contiguous()):
+            raise ValueError(
+                "AdamW(capturable=True) needs Triton and contiguous CUDA parameters; got a "
+                f"{tuple(local.shape)} {local.device} parameter (contiguous={local.is_contiguous()}, triton={HAS_TRITON})"
+            )
 
 
 class AdamWInBackward(AdamW):
@@ -153,12 +199,23 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _triton_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step) -> None:
+    """One AdamW update of one tensor. ``lr`` and ``step`` are Python numbers (bias corrections on
+    the host) or 0-d fp32 device tensors (read by the kernel, for CUDA-graph capture)."""
     num_elements = param.numel()
     if num_elements == 0:
         return
+    lr_on_device, step_on_device = isinstance(lr, torch.Tensor), isinstance(step, torch.Tensor)
+    host_lr = 0.0 if lr_on_device else lr
+    bias_correction1 = 1.0 if step_on_device else 1.0 - beta1**step
+    bias_correction2_sqrt = 1.0 if step_on_device else math.sqrt(1.0 - beta2**step)
     with device_of(param):
         _adamw_kernel[(triton.cdiv(num_elements, _BLOCK),)](
             param, grad, exp_avg, exp_avg_sq, num_elements,
-            lr, beta1, beta2, eps, weight_decay, 1.0 - beta1**step, math.sqrt(1.0 - beta2**step),
-            BLOCK=_BLOCK, num_warps=8,
+            host_lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+            lr if lr_on_device else param, step if step_on_device else param, _log2(beta1), _log2(beta2),
+            BLOCK=_BLOCK, LR_ON_DEVICE=lr_on_device, STEP_ON_DEVICE=step_on_device, num_warps=8,
         )  # fmt: skip
+
+
+def _log2(beta: float) -> float:
+    return math.log2(beta) if beta > 0 else -math.inf

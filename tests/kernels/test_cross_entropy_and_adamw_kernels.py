@@ -41,3 +41,18 @@ def test_adamw_kernel_in_interpreter(interpret, dtype):
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     for got, want in zip((param, exp_avg, exp_avg_sq), (ref[0], ref[2], ref[3])):
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_adamw_kernel_reads_lr_and_step_from_the_device_in_interpreter(interpret):
+    """The capturable variant (lr and step as tensors, bias corrections in the kernel) equals the
+    host-scalar one."""
+    from moetune.optim.adamw import _triton_step
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(5_000), torch.randn(5_000), torch.randn(5_000) * 0.1, torch.rand(5_000) * 0.1]
+    host, device = [t.clone() for t in tensors], [t.clone() for t in tensors]
+    settings = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+    _triton_step(*host, lr=3e-3, step=7, **settings)
+    _triton_step(*device, lr=torch.tensor(3e-3), step=torch.tensor(7.0), **settings)
+    for got, want in zip(device, host):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

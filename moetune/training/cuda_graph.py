@@ -1,0 +1,189 @@
+"""A training step replayed from CUDA graphs: forward + backward in one graph, the optimizer step
+(with optional gradient clipping) in another.
+
+Why: moetune's one-GPU step launches about a thousand kernels from Python; on an H200 the host
+cannot issue them as fast as the GPU runs them and the GPU waits ~9 ms of a ~77 ms step
+(benchmarks/README.md). The one-GPU MoE path never synchronises with the host (group sizes of
+the grouped GEMM stay on the device), so the whole step can be captured once and replayed with
+one launch per graph.
+
+How (PyTorch's "whole-network capture"): the first ``warmup_steps`` calls train eagerly on a
+side stream (lazy initialisation: cuBLAS / cuDNN plans, Triton compilation, optimizer states);
+the next call copies the batch into static input tensors and captures, then every call copies
+its batch into them and replays. Gradients are set to None before the capture, so the captured
+backward allocates them in the graph's memory pool and writes (does not accumulate) them; the
+same buffers are overwritten by each replay and read by the optimizer graph.
+
+Requirements, checked before the capture: CUDA; every call's tensors have the shapes and dtypes
+of the captured batch (pack sequences to a fixed length); a capturable optimizer
+(``moetune.optim.AdamW(capturable=True)``, or torch's with ``capturable=True``); no host
+synchronisation in the step (expert parallelism's all-to-all needs its split sizes on the host:
+use eager steps there); one micro-batch per optimizer step. Learning-rate changes reach the
+replays when the rate is a device tensor updated in place (torch's schedulers do that; see
+``set_learning_rate``). Off CUDA the object runs the same steps eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+LossFn = Callable[[torch.nn.Module, Mapping[str, torch.Tensor]], torch.Tensor]
+
+
+def default_loss(model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return model(**batch).loss
+
+
+def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every group's rate in place when it is a tensor (what a captured step reads), else assign."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+class CUDAGraphTrainStep:
+    """``loss = step(input_ids=..., labels=...)`` trains one step: forward, backward, optional
+    clipping to ``max_grad_norm``, ``optimizer.step()``. ``forward_backward`` and ``optimizer_step``
+    run the two halves separately (to time them, or to read gradients in between). Do not call
+    ``optimizer.zero_grad()`` or ``optimizer.step()`` yourself: the graphs own the gradients."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        warmup_steps: int = 2,
+        max_grad_norm: float | None = None,
+        loss_fn: LossFn = default_loss,
+    ) -> None:
+        if warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
+        self.model = model
+        self.optimizer = optimizer
+        self.warmup_steps = warmup_steps
+        self.max_grad_norm = max_grad_norm
+        self.loss_fn = loss_fn
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.use_graphs = all(p.is_cuda for p in self.params) and torch.cuda.is_available()
+        if self.use_graphs:
+            _check_capturable(optimizer)
+        self._eager_steps = 0
+        self._static_batch: dict[str, torch.Tensor] | None = None
+        self._static_loss: torch.Tensor | None = None
+        self._static_grads: list[torch.Tensor | None] = []
+        self._forward_backward_graph: torch.cuda.CUDAGraph | None = None
+        self._optimizer_graph: torch.cuda.CUDAGraph | None = None
+        self._side_stream = torch.cuda.Stream() if self.use_graphs else None
+
+    @property
+    def captured(self) -> bool:
+        return self._forward_backward_graph is not None
+
+    def __call__(self, **batch: torch.Tensor) -> torch.Tensor:
+        loss = self.forward_backward(**batch)
+        self.optimizer_step()
+        return loss
+
+    def forward_backward(self, **batch: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of one batch; returns the loss (detached)."""
+        if not self.use_graphs or self._eager_steps < self.warmup_steps:
+            return self._eager(lambda: self._eager_forward_backward(batch))
+        if self._forward_backward_graph is None:
+            self._capture_forward_backward(batch)
+        else:
+            self._copy_into_static(batch)
+        self._forward_backward_graph.replay()
+        self._restore_grads()
+        return self._static_loss.clone()
+
+    def optimizer_step(self) -> None:
+        if self._forward_backward_graph is None:
+            self._eager(self._eager_optimizer_step)
+            self._eager_steps += 1
+            return
+        if self._optimizer_graph is None:
+            self._optimizer_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._optimizer_graph, pool=self._forward_backward_graph.pool()):
+                self._clip_and_step()
+        self._optimizer_graph.replay()
+
+    # -- eager steps (warm-up, or off CUDA) --
+
+    def _eager(self, fn):
+        if self._side_stream is None:
+            return fn()
+        self._side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side_stream):
+            result = fn()
+        torch.cuda.current_stream().wait_stream(self._side_stream)
+        return result
+
+    def _eager_forward_backward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        loss = self.loss_fn(self.model, batch)
+        loss.backward()
+        return loss.detach()
+
+    def _eager_optimizer_step(self) -> None:
+        self._clip_and_step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _clip_and_step(self) -> None:
+        if self.max_grad_norm is not None:
+            # foreach: no host synchronisation (error_if_nonfinite would add one).
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
+        self.optimizer.step()
+
+    # -- capture --
+
+    def _capture_forward_backward(self, batch: Mapping[str, torch.Tensor]) -> None:
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor) or not value.is_cuda:
+                raise ValueError(f"CUDA-graph step: batch[{key!r}] must be a CUDA tensor, got {type(value).__name__}"
+                                 f"{'' if not isinstance(value, torch.Tensor) else ' on ' + str(value.device)}")  # fmt: skip
+        self._static_batch = {key: value.clone() for key, value in batch.items()}
+        self.optimizer.zero_grad(set_to_none=True)  # the captured backward then allocates and writes them
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self._static_loss = self._eager_forward_backward(self._static_batch)
+        except RuntimeError as error:
+            raise RuntimeError(
+                "CUDA-graph step: capturing forward + backward failed; the step probably synchronises with "
+                "the host (expert parallelism's split sizes, the fp32 / loop experts path, .item() in a "
+                f"loss or hook). Train eagerly instead. Cause: {error}"
+            ) from error
+        self._forward_backward_graph = graph
+        self._static_grads = [p.grad for p in self.params]
+        missing = [i for i, grad in enumerate(self._static_grads) if grad is None and self.params[i].requires_grad]
+        if len(missing) == len(self.params):
+            raise RuntimeError("CUDA-graph step: the captured backward produced no gradient")
+
+    def _copy_into_static(self, batch: Mapping[str, torch.Tensor]) -> None:
+        if batch.keys() != self._static_batch.keys():
+            raise ValueError(f"CUDA-graph step: batch keys {sorted(batch)} differ from the captured {sorted(self._static_batch)}")
+        for key, value in batch.items():
+            static = self._static_batch[key]
+            if value.shape != static.shape or value.dtype != static.dtype:
+                raise ValueError(
+                    f"CUDA-graph step: batch[{key!r}] is {tuple(value.shape)} {value.dtype}, the captured step "
+                    f"takes {tuple(static.shape)} {static.dtype} (pad or pack every batch to one shape)"
+                )
+            static.copy_(value, non_blocking=True)
+
+    def _restore_grads(self) -> None:
+        """User code may read (or set to None) ``.grad`` between calls; the graphs keep their buffers."""
+        for param, grad in zip(self.params, self._static_grads):
+            param.grad = grad
+
+
+def _check_capturable(optimizer: torch.optim.Optimizer) -> None:
+    if not all(group.get("capturable", False) for group in optimizer.param_groups):
+        raise ValueError(
+            f"CUDA-graph step: the optimizer ({type(optimizer).__name__}) must be capturable: use "
+            "moetune.optim.AdamW(..., capturable=True) or torch.optim.AdamW(..., capturable=True)"
+        )
