@@ -147,25 +147,35 @@ def run(side: str, args) -> dict:
     return result
 
 
-def gpu_timeline(prof) -> dict:
-    """Span of the profiled step on the GPU, the time some kernel ran (busy) and the idle rest."""
-    intervals = sorted(
-        (e.time_range.start, e.time_range.end)
+def gpu_timeline(prof, top: int = 15) -> dict:
+    """Span of the profiled step on the GPU, the time some kernel ran (busy), the idle rest, and
+    where the idle time is: total idle before each kernel name (the kernel that waited)."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
     )
-    if not intervals:
+    if not kernels:
         return {}
-    busy, (cur_start, cur_end) = 0.0, intervals[0]
-    for start, end in intervals[1:]:
+    busy, idle_before = 0.0, {}
+    cur_start, cur_end, _ = kernels[0]
+    for start, end, name in kernels[1:]:
         if start > cur_end:
             busy += cur_end - cur_start
+            key = name[:60]
+            idle_before[key] = idle_before.get(key, 0.0) + (start - cur_end) / 1e3
             cur_start, cur_end = start, end
         else:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
-    span = max(e for _, e in intervals) - intervals[0][0]
-    return {"timeline_span_ms": span / 1e3, "timeline_busy_ms": busy / 1e3, "timeline_idle_ms": (span - busy) / 1e3}
+    span = max(e for _, e, _ in kernels) - kernels[0][0]
+    worst = sorted(idle_before.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "timeline_span_ms": span / 1e3,
+        "timeline_busy_ms": busy / 1e3,
+        "timeline_idle_ms": (span - busy) / 1e3,
+        "timeline_idle_ms_before": {name: round(ms, 3) for name, ms in worst},
+    }
 
 
 def main() -> None:
