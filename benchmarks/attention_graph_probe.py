@@ -38,21 +38,28 @@ def time_ms(fn, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def probe(backend: str, args) -> dict:
-    shape_q = (1, args.heads, args.seq_len, args.head_dim)
-    shape_kv = (1, args.heads, args.seq_len, args.head_dim)  # repeat_kv'd, as Transformers' sdpa path feeds it
-    q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16)
+def probe(backend: str, layout: str, args) -> dict:
+    """layout ``repeated``: contiguous [B, H, S, D] q, k, v with K/V repeated to every head;
+    ``gqa``: what moetune's attention passes: [B, S, H, D] projections transposed (strided), K/V
+    with ``kv_heads`` heads and ``enable_gqa=True``."""
+    kv_heads = args.heads if layout == "repeated" else args.kv_heads
+
+    def leaf(heads: int) -> torch.Tensor:
+        return torch.randn(1, args.seq_len, heads, args.head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    q_leaf, k_leaf, v_leaf = leaf(args.heads), leaf(kv_heads), leaf(kv_heads)
+    grad = torch.randn(1, args.heads, args.seq_len, args.head_dim, device="cuda", dtype=torch.bfloat16)
 
     def step():
+        q, k, v = (t.transpose(1, 2) for t in (q_leaf, k_leaf, v_leaf))
+        if layout == "repeated":
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         with sdpa_kernel([BACKENDS[backend]]):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=layout == "gqa")
         out.backward(grad)
-        q.grad = k.grad = v.grad = None
+        q_leaf.grad = k_leaf.grad = v_leaf.grad = None
 
-    result = {"backend": backend}
+    result = {"backend": backend, "layout": layout}
     try:
         result["eager_ms"] = time_ms(step)
         side = torch.cuda.Stream()
@@ -78,10 +85,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
     args = parser.parse_args()
-    for backend in BACKENDS:
-        print(json.dumps({**vars(args), **probe(backend, args)}), flush=True)
+    for layout in ("repeated", "gqa"):
+        for backend in BACKENDS:
+            print(json.dumps({**vars(args), **probe(backend, layout, args)}), flush=True)
 
 
 if __name__ == "__main__":

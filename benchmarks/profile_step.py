@@ -9,6 +9,7 @@ profiled step, so optimisation goes after the largest measured cost first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -188,11 +189,20 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--sdpa-backend", choices=["auto", "cudnn", "flash", "efficient"], default="auto",
+                        help="force one SDPA backend for every step (capture included)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--cpu-profile", action="store_true", help="also profile host-side ops")
     parser.add_argument("--sync-debug", action="store_true", help="warn on every host sync during one step")
     args = parser.parse_args()
-    results = [run(side, args) for side in args.sides.split(",")]
+    backend = contextlib.nullcontext()
+    if args.sdpa_backend != "auto":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+        backend = sdpa_kernel([getattr(SDPBackend, names[args.sdpa_backend])])
+    with backend:
+        results = [run(side, args) for side in args.sides.split(",")]
     for r in results:
         print(json.dumps({**vars(args), **r}))
 

@@ -16,11 +16,11 @@ from tests.conftest import rel_err, tiny_qwen3_moe_config
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _model(device: str, dtype: torch.dtype):
+def _model(device: str, dtype: torch.dtype, *, aux_loss: bool = True, attention: str = "sdpa"):
     torch.manual_seed(0)
-    config = tiny_qwen3_moe_config(vocab_size=128, hidden_size=64, moe_intermediate_size=32, output_router_logits=True)
+    config = tiny_qwen3_moe_config(vocab_size=128, hidden_size=64, moe_intermediate_size=32, output_router_logits=aux_loss)
     with torch.device(device):
-        return moetune.AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+        return moetune.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention).train()
 
 
 def _batches(n: int, device: str) -> list[torch.Tensor]:
@@ -79,8 +79,10 @@ def test_needs_a_capturable_optimizer():
 @needs_cuda
 def test_graphed_steps_train_like_eager_steps():
     """Step by step, the replayed gradients and updates equal an eager loop's (same kernels, same
-    capturable optimizer), through the eager warm-up, the capture and the replays."""
-    model = _model("cuda", torch.bfloat16)
+    capturable optimizer), through the eager warm-up, the capture and the replays. Deterministic
+    kernels only (eager attention, no aux loss: SDPA's backward and the aux loss's scatter_add use
+    atomics, whose rounding differences Adam amplifies from step to step)."""
+    model = _model("cuda", torch.bfloat16, aux_loss=False, attention="eager")
     reference = copy.deepcopy(model)
     step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-3, capturable=True), max_grad_norm=1.0)
     ref_optimizer = AdamW(reference.parameters(), lr=1e-3, capturable=True)
@@ -88,17 +90,29 @@ def test_graphed_steps_train_like_eager_steps():
         loss = step.forward_backward(input_ids=ids, labels=ids)
         ref_loss = reference(input_ids=ids, labels=ids).loss
         ref_loss.backward()
-        assert abs(loss.item() - ref_loss.item()) <= 1e-3 * abs(ref_loss.item()), f"loss of step {i}"
+        assert abs(loss.item() - ref_loss.item()) <= 1e-4 * abs(ref_loss.item()), f"loss of step {i}"
         for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-            assert rel_err(a.grad.float(), b.grad.float()) < 2e-2, f"gradient of {name} at step {i}"
+            assert rel_err(a.grad.float(), b.grad.float()) < 1e-3, f"gradient of {name} at step {i}"
         step.optimizer_step()
         torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 1.0, foreach=True)
         ref_optimizer.step()
         ref_optimizer.zero_grad(set_to_none=True)
         for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-            assert rel_err(a.float(), b.float()) < 1e-2, f"{name} after step {i}"
+            assert rel_err(a.float(), b.float()) < 1e-3, f"{name} after step {i}"
     assert step.captured
     assert all(p.grad is not None for p in model.parameters())  # the static gradients stay readable
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_steps_with_aux_loss_and_sdpa_track_the_eager_losses():
+    model = _model("cuda", torch.bfloat16)
+    reference = copy.deepcopy(model)
+    step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-3, capturable=True))
+    batches = _batches(6, "cuda")
+    losses = [step(input_ids=ids, labels=ids).item() for ids in batches]
+    expected = _eager_losses(reference, AdamW(reference.parameters(), lr=1e-3, capturable=True), batches)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-3, atol=0)
 
 
 @pytest.mark.gpu
