@@ -41,6 +41,36 @@ def _save(ref, tmp_path, layout: str):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+def test_unmasked_training_batches_take_the_plain_causal_path(reference_qwen3_moe, tmp_path, name, monkeypatch):
+    """No mask, no position ids, no cache: moetune's decoder loop runs without Transformers' mask
+    preparation (which syncs with the host) and equals Transformers' logits, loss and gradients."""
+    ref = reference_qwen3_moe(**CONFIGS[name])
+    ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path, "fused"))
+    ref.train()
+    ours.train()
+    ids, _, labels = _batch(ref.config.vocab_size, padded=False)
+    expected = ref(input_ids=ids, labels=labels)
+    expected.loss.backward()
+
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    def no_mask_preparation(*args, **kwargs):
+        raise AssertionError("the plain causal path must not prepare a mask")
+
+    monkeypatch.setattr(modeling_qwen3_moe, "create_causal_mask", no_mask_preparation)
+    got = ours(input_ids=ids, labels=labels, return_logits=True)
+    assert rel_err(got.logits, expected.logits) < TOL
+    assert rel_err(got.loss, expected.loss) < TOL
+    assert rel_err(got.aux_loss, expected.aux_loss) < TOL
+    got.loss.backward()
+    ref_params = dict(ref.named_parameters())
+    for pname, param in ours.named_parameters():
+        assert rel_err(param.grad, ref_params[pname].grad) < TOL, pname
+    with pytest.raises(AssertionError, match="must not prepare"):  # a mask still goes through Transformers
+        ours(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("layout", ["per-expert", "fused", "per-expert-sharded"])
 @pytest.mark.parametrize("padded", [False, True])
 def test_forward_backward_parity(reference_qwen3_moe, tmp_path, name, layout, padded):
