@@ -24,6 +24,7 @@ import torch
 from moetune.kernels._triton_utils import HAS_TRITON, device_of, tl, triton
 
 _BLOCK = 4096
+_NUM_WARPS = 8
 
 if HAS_TRITON:
 
@@ -101,6 +102,21 @@ class AdamW(torch.optim.Optimizer):
                 self._step_param(param, group)
         return loss
 
+    @torch.no_grad()
+    def step_parameter(self, param: torch.Tensor) -> None:
+        """Update one parameter from its gradient now (optimizer-in-backward schedules)."""
+        group = self._group_of(param)
+        self._init_state(param, group)
+        if group["capturable"]:
+            self.state[param]["step"].add_(1.0)
+        self._step_param(param, group)
+
+    def _group_of(self, param: torch.Tensor) -> dict:
+        groups = getattr(self, "_groups_by_param", None)
+        if groups is None or param not in groups:  # built lazily; rebuilt after add_param_group
+            groups = self._groups_by_param = {p: g for g in self.param_groups for p in g["params"]}
+        return groups[param]
+
     def _init_state(self, param: torch.Tensor, group: dict) -> None:
         state = self.state[param]
         if not state:
@@ -158,8 +174,7 @@ class AdamWInBackward(AdamW):
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-        self._group_of = {param: group for group in self.param_groups for param in group["params"]}
-        for param in self._group_of:
+        for param in (p for group in self.param_groups for p in group["params"]):
             if hasattr(param, "to_local"):
                 raise ValueError("AdamWInBackward supports unsharded parameters only (use AdamW with FSDP2 / EP)")
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -167,11 +182,11 @@ class AdamWInBackward(AdamW):
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         grad = param.grad
         if self._stream is None or not grad.is_cuda:
-            self._step_param(param, self._group_of[param])
+            self.step_parameter(param)
         else:
             self._stream.wait_stream(torch.cuda.current_stream(grad.device))
             with torch.cuda.stream(self._stream):
-                self._step_param(param, self._group_of[param])
+                self.step_parameter(param)
             grad.record_stream(self._stream)  # the allocator must not reuse it before the update ran
         param.grad = None
 
@@ -213,7 +228,7 @@ def _triton_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, wei
             param, grad, exp_avg, exp_avg_sq, num_elements,
             host_lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
             lr if lr_on_device else param, step if step_on_device else param, _log2(beta1), _log2(beta2),
-            BLOCK=_BLOCK, LR_ON_DEVICE=lr_on_device, STEP_ON_DEVICE=step_on_device, num_warps=8,
+            BLOCK=_BLOCK, LR_ON_DEVICE=lr_on_device, STEP_ON_DEVICE=step_on_device, num_warps=_NUM_WARPS,
         )  # fmt: skip
 
 
