@@ -13,7 +13,6 @@
 # STAGES picks stages (default: versions parity rowA strict 16l rowD); the others:
 #   gputests  the GPU-marked tests of the CUDA-graph step, optimizer and kernels
 #   graph     row A with moetune's step replayed from CUDA graphs (--moetune-cuda-graph)
-#   overlap   row A graphed, with each AdamW update overlapped with the backward (no clipping)
 #   graph16l  moetune alone at 16 layers, eager and graphed (the one-GPU reference of row B)
 #   profile   benchmarks/profile_step.py: kernels and GPU idle time of one step, eager and graphed
 #
@@ -84,12 +83,6 @@ fi
 if stage graph; then
   echo "== row A, moetune's step replayed from CUDA graphs (Transformers side measured in the same run)"
   bench 150 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --moetune-optimizer moetune --moetune-cuda-graph
-fi
-
-if stage overlap; then
-  echo "== row A, graphed, optimizer overlapped with backward (Transformers side measured in the same run)"
-  bench 150 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --moetune-optimizer moetune --moetune-cuda-graph \
-    --moetune-overlap-optimizer
 fi
 
 if stage strict; then

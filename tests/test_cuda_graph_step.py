@@ -54,27 +54,6 @@ def test_off_cuda_it_runs_the_eager_loop_exactly():
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
-def test_overlapped_optimizer_equals_the_step_after_backward():
-    """overlap_optimizer (off CUDA: the updates run from the gradient hooks, no stream) gives the
-    same parameters as optimizer.step() after backward."""
-    model = _model("cpu", torch.float32)
-    reference = copy.deepcopy(model)
-    step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-2), overlap_optimizer=True)
-    batches = _batches(3, "cpu")
-    losses = [step(input_ids=ids, labels=ids).item() for ids in batches]
-    assert losses == _eager_losses(reference, AdamW(reference.parameters(), lr=1e-2), batches)
-    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
-
-
-def test_overlapped_optimizer_cannot_clip():
-    model = _model("cpu", torch.float32)
-    with pytest.raises(ValueError, match="cannot clip"):
-        CUDAGraphTrainStep(model, AdamW(model.parameters()), overlap_optimizer=True, max_grad_norm=1.0)
-    with pytest.raises(ValueError, match="needs moetune.optim.AdamW"):
-        CUDAGraphTrainStep(model, torch.optim.AdamW(model.parameters()), overlap_optimizer=True)
-
-
 def test_rejects_zero_warmup():
     model = _model("cpu", torch.float32)
     with pytest.raises(ValueError, match="warmup_steps must be >= 1"):
@@ -109,20 +88,10 @@ def test_graphed_steps_train_like_eager_steps():
         _check_graphed_steps_equal_eager_steps(_model("cuda", torch.bfloat16, aux_loss=False))
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_graphed_steps_with_the_optimizer_overlapped_train_like_eager_steps():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.MATH]):
-        _check_graphed_steps_equal_eager_steps(_model("cuda", torch.bfloat16, aux_loss=False), overlap=True)
-
-
-def _check_graphed_steps_equal_eager_steps(model, *, overlap: bool = False) -> None:
+def _check_graphed_steps_equal_eager_steps(model) -> None:
     reference = copy.deepcopy(model)
-    max_grad_norm = None if overlap else 1.0
-    optimizer = AdamW(model.parameters(), lr=1e-3, capturable=True)
-    step = CUDAGraphTrainStep(model, optimizer, max_grad_norm=max_grad_norm, overlap_optimizer=overlap)
+    max_grad_norm = 1.0
+    step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-3, capturable=True), max_grad_norm=max_grad_norm)
     ref_optimizer = AdamW(reference.parameters(), lr=1e-3, capturable=True)
     for i, ids in enumerate(_batches(5, "cuda")):
         loss = step.forward_backward(input_ids=ids, labels=ids)
@@ -132,8 +101,7 @@ def _check_graphed_steps_equal_eager_steps(model, *, overlap: bool = False) -> N
         for (name, a), b in zip(model.named_parameters(), reference.parameters()):
             assert rel_err(a.grad.float(), b.grad.float()) < 1e-3, f"gradient of {name} at step {i}"
         step.optimizer_step()
-        if max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(list(reference.parameters()), max_grad_norm, foreach=True)
+        torch.nn.utils.clip_grad_norm_(list(reference.parameters()), max_grad_norm, foreach=True)
         ref_optimizer.step()
         ref_optimizer.zero_grad(set_to_none=True)
         for (name, a), b in zip(model.named_parameters(), reference.parameters()):

@@ -78,11 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="moetune side replays each step from CUDA graphs (moetune.training.CUDAGraphTrainStep; one GPU, "
         "capturable optimizer)",
     )
-    p.add_argument(
-        "--moetune-overlap-optimizer", action="store_true",
-        help="with --moetune-cuda-graph: each parameter's AdamW update runs during backward on a side stream "
-        "(same update, no clipping)",
-    )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
         "--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path"
@@ -127,9 +122,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.moetune_cuda_graph and (env.distributed or env.device.type != "cuda"):
         teardown(env)
         raise SystemExit("--moetune-cuda-graph needs one CUDA GPU (expert parallelism syncs with the host)")
-    if args.moetune_overlap_optimizer and not (args.moetune_cuda_graph and args.moetune_optimizer == "moetune"):
-        teardown(env)
-        raise SystemExit("--moetune-overlap-optimizer needs --moetune-cuda-graph and --moetune-optimizer moetune")
     if args.moetune_cuda_graph and args.moetune_optimizer == "moetune-in-backward":
         teardown(env)
         raise SystemExit("--moetune-cuda-graph cannot capture --moetune-optimizer moetune-in-backward")
@@ -199,7 +191,6 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "optimizer": _optimizer_name(env.device),
             "moetune_optimizer": args.moetune_optimizer,
             "moetune_cuda_graph": args.moetune_cuda_graph,
-            "moetune_overlap_optimizer": args.moetune_overlap_optimizer,
             "moetune_options": _moetune_options(args),
         },
         "model_config": config.to_dict(),
@@ -331,7 +322,6 @@ def _bench_side(
         bench, rows, env=env, flops_per_token={args.seq_len: data["flops_per_token"]},
         peak_tflops=data["matmul_peak_tflops"], warmup=args.warmup, steps=args.steps, seed=args.seed, lr=args.lr,
         on_result=on_result, moetune_optimizer=args.moetune_optimizer, moetune_cuda_graph=args.moetune_cuda_graph,
-        moetune_overlap_optimizer=args.moetune_overlap_optimizer,
     )
     del bench
     _free(env)

@@ -22,11 +22,9 @@ use eager steps there); one micro-batch per optimizer step. Learning-rate change
 replays when the rate is a device tensor updated in place (torch's schedulers do that; see
 ``set_learning_rate``). Off CUDA the object runs the same steps eagerly.
 
-``overlap_optimizer=True`` (moetune's AdamW, no clipping) updates each parameter as soon as its
-gradient is complete, on a side stream, inside the same graph: the memory-bound update of one
-layer's experts runs beside the compute-bound backward of the layers below it, and
-``optimizer_step`` has nothing left to do. The update is the same AdamW step; only clipping by
-the global gradient norm is impossible (the norm is unknown when the first update starts).
+Not done: updating each parameter during the captured backward on a side stream (optimizer in
+backward). Measured on an H200 (8 layers of Qwen3-30B-A3B) it saved nothing: the backward's
+GEMMs occupy every SM, so the memory-bound updates run after them anyway (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -65,15 +63,9 @@ class CUDAGraphTrainStep:
         warmup_steps: int = 2,
         max_grad_norm: float | None = None,
         loss_fn: LossFn = default_loss,
-        overlap_optimizer: bool = False,
     ) -> None:
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
-        if overlap_optimizer and max_grad_norm is not None:
-            raise ValueError("overlap_optimizer updates parameters during backward: it cannot clip by the global norm "
-                             "(set max_grad_norm=None)")  # fmt: skip
-        if overlap_optimizer and not hasattr(optimizer, "step_parameter"):
-            raise ValueError(f"overlap_optimizer needs moetune.optim.AdamW (per-parameter steps), got {type(optimizer).__name__}")
         self.model = model
         self.optimizer = optimizer
         self.warmup_steps = warmup_steps
@@ -90,15 +82,9 @@ class CUDAGraphTrainStep:
         self._forward_backward_graph: torch.cuda.CUDAGraph | None = None
         self._optimizer_graph: torch.cuda.CUDAGraph | None = None
         self._side_stream = torch.cuda.Stream() if self.use_graphs else None
-        self.overlap_optimizer = overlap_optimizer
-        self._update_stream = torch.cuda.Stream() if overlap_optimizer and self.use_graphs else None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._update_now) for p in self.params] if overlap_optimizer else []
 
     def close(self) -> None:
-        """Drop the graphs, their static tensors and the gradient hooks (the model trains eagerly again)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        """Drop the graphs and their static tensors (the model trains eagerly again)."""
         self._forward_backward_graph = self._optimizer_graph = None
         self._static_batch = self._static_loss = None
         self._static_grads = []
@@ -130,8 +116,6 @@ class CUDAGraphTrainStep:
             self._eager(self._eager_optimizer_step)
             self._eager_steps += 1
             return
-        if self.overlap_optimizer:
-            return  # the forward-backward graph updated every parameter
         if self._optimizer_graph is None:
             self._optimizer_graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self._optimizer_graph, pool=self._forward_backward_graph.pool()):
@@ -152,26 +136,13 @@ class CUDAGraphTrainStep:
     def _eager_forward_backward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         loss = self.loss_fn(self.model, batch)
         loss.backward()
-        if self._update_stream is not None:  # the updates launched from the gradient hooks
-            torch.cuda.current_stream().wait_stream(self._update_stream)
         return loss.detach()
 
     def _eager_optimizer_step(self) -> None:
         self._clip_and_step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def _update_now(self, param: torch.Tensor) -> None:
-        """Gradient hook of ``overlap_optimizer``: this parameter's AdamW step, on the update stream."""
-        if self._update_stream is None:
-            self.optimizer.step_parameter(param)
-            return
-        self._update_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._update_stream):
-            self.optimizer.step_parameter(param)
-
     def _clip_and_step(self) -> None:
-        if self.overlap_optimizer:
-            return  # every parameter was updated during backward
         if self.max_grad_norm is not None:
             # foreach: no host synchronisation (error_if_nonfinite would add one).
             torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
