@@ -31,12 +31,18 @@ class MoetuneOptions:
     """Expert parallelism: None sends exactly the routed rows (one host sync per MoE layer for the
     split sizes); a number sends fixed blocks of ceil(factor x rows / ep_size) rows to each rank, with
     no host sync; rows beyond it are dropped, never when factor >= ep_size."""
+    ep_overlap_chunks: int = 1
+    """Expert parallelism: 1 runs each MoE layer's dispatch all-to-all, experts and combine all-to-all
+    one after another; C >= 2 splits the layer's tokens into C chunks and pipelines them, so that on
+    CUDA the all-to-alls of one chunk run while the experts compute another, in forward and backward
+    (same results; ``moetune.distributed.PipelinedExpertParallelDispatcher``). Not combinable with
+    ``ep_capacity_factor``. It pays only where the experts' compute bounds the layer: on 2 H200s at
+    4096 tokens per rank it was slower (moetune/distributed/README.md)."""
 
     def __post_init__(self) -> None:
-        if self.ep_size is not None and (
-            isinstance(self.ep_size, bool) or not isinstance(self.ep_size, int) or self.ep_size < 1
-        ):
+        if self.ep_size is not None and not is_positive_int(self.ep_size):
             raise ValueError(f"ep_size must be a positive int (or None), got {self.ep_size!r}")
+        check_ep_overlap_chunks(self.ep_overlap_chunks, capacity_factor=self.ep_capacity_factor)
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> MoetuneOptions:
@@ -45,3 +51,20 @@ class MoetuneOptions:
     @property
     def distributed(self) -> bool:
         return self.device_mesh is not None or (self.ep_size is not None and self.ep_size > 1)
+
+
+def is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def check_ep_overlap_chunks(num_chunks: Any, *, capacity_factor: float | None) -> None:
+    """``ep_overlap_chunks``: a positive int, and above 1 only with exact splits (the pipelined
+    dispatcher chunks ``ExpertParallelDispatcher``'s exact all-to-alls; capacity blocks are another
+    dispatcher)."""
+    if not is_positive_int(num_chunks):
+        raise ValueError(f"ep_overlap_chunks must be a positive int, got {num_chunks!r}")
+    if num_chunks > 1 and capacity_factor is not None:
+        raise ValueError(
+            f"ep_overlap_chunks={num_chunks} cannot be combined with ep_capacity_factor={capacity_factor!r}: "
+            "the pipelined dispatcher sends exact splits; set one of them only"
+        )

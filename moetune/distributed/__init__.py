@@ -5,6 +5,7 @@ from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, Exp
 from moetune.distributed.grad_norm import clip_grad_norm_, total_grad_norm
 from moetune.distributed.mesh import FLAT_DIM_NAME, MESH_DIM_NAMES, ParallelMesh, build_mesh
 from moetune.distributed.parallelize import ParallelConfig, parallelize, parallelize_for_options
+from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
 
 __all__ = [
     "CapacityExpertParallelDispatcher",
@@ -13,6 +14,7 @@ __all__ = [
     "ExpertParallelDispatcher",
     "ParallelConfig",
     "ParallelMesh",
+    "PipelinedExpertParallelDispatcher",
     "all_to_all",
     "build_mesh",
     "clip_grad_norm_",

@@ -1,17 +1,19 @@
 """Expert-parallel token dispatcher: permute -> all-to-all (uneven splits) -> sort by local expert,
 and the reverse for combine.
 
-Implements ``moetune.moe.TokenDispatcher``; ``MoEBlock`` and ``GroupedExperts`` are unchanged. A fused /
-overlapped dispatcher or a DeepEP backend replaces this class, nothing else.
+Implements ``moetune.moe.TokenDispatcher``; ``MoEBlock`` and ``GroupedExperts`` are unchanged. A fused
+dispatcher or a DeepEP backend replaces this class, nothing else; pipelined_dispatcher.py overlaps
+these all-to-alls with the experts by chunking the tokens, with the helpers below.
 
 Host synchronisation: ``ExpertParallelDispatcher`` has exactly one per MoE layer and forward, in
-``dispatch``: the all-to-all of the rows needs its split sizes on the host (``_exchange_counts``);
+``dispatch``: the all-to-all of the rows needs its split sizes on the host (``exchange_counts``);
 combine and the backward reuse them. ``CapacityExpertParallelDispatcher`` has none: fixed-size
 blocks per peer (``ep_capacity_factor``). (The CPU / ``loop`` experts path adds its own sync for
 per-expert sizes.)
 
 Shape legend: T tokens on this rank, H hidden, K experts per token, N = T*K routed rows sent,
-M rows received, E experts in the model, L = E / ep experts on this rank, R = ep ranks.
+M rows received, E experts in the model, L = E / ep experts on this rank, R = ep ranks, C chunks
+of tokens (pipelined_dispatcher.py; one here).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.kernels import moe_permute
-from moetune.moe.dispatch import PermutationState, permute, tokens_per_expert, unpermute
+from moetune.moe.dispatch import PermutationState, TokenDispatcher, permute, tokens_per_expert, unpermute
 from moetune.moe.routing import Routing
 
 
@@ -62,6 +64,68 @@ def all_to_all(x: torch.Tensor, *, output_splits: list[int], input_splits: list[
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
 
+def exchange_counts(
+    counts_CE: torch.Tensor, *, ep_size: int, group
+) -> tuple[torch.Tensor, list[list[int]], list[list[int]]]:
+    """Every rank learns how many rows each rank sends to each of its local experts, for each of C
+    chunks; then the one host sync of the layer fetches all send / receive split sizes together.
+
+    Returns ``recv_counts_CRL`` (rows of chunk c from rank r for local expert l) and the split sizes
+    ``send_splits[c][r]``, ``recv_splits[c][r]``.
+    """
+    num_chunks, num_experts = counts_CE.shape
+    send_counts_RCL = counts_CE.view(num_chunks, ep_size, num_experts // ep_size).transpose(0, 1).contiguous()
+    recv_counts_RCL = torch.empty_like(send_counts_RCL)  # block r: what rank r sends us
+    dist.all_to_all_single(recv_counts_RCL, send_counts_RCL, group=group)
+    splits = torch.stack([send_counts_RCL.sum(dim=2).T, recv_counts_RCL.sum(dim=2).T]).tolist()  # host sync
+    return recv_counts_RCL.transpose(0, 1), splits[0], splits[1]
+
+
+def received_expert_order(
+    recv_counts_CRL: torch.Tensor, *, num_rows_C: list[int]
+) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Received rows are grouped by (source rank, local expert); the experts want them by local expert.
+
+    For each of C chunks (rows ``num_rows_C[c]``), returns ``sort_M`` (the received row of each
+    expert-sorted row), and the rows per (chunk, local expert) ``counts_CL``: one sort for all chunks.
+    """
+    num_chunks, ep_size, num_local = recv_counts_CRL.shape
+    device = recv_counts_CRL.device
+    key_CL = torch.arange(num_chunks * num_local, device=device).view(num_chunks, 1, num_local)
+    key_M = torch.repeat_interleave(
+        key_CL.expand(num_chunks, ep_size, num_local).reshape(-1),
+        recv_counts_CRL.reshape(-1),
+        output_size=sum(num_rows_C),
+    )
+    order_M = torch.argsort(key_M, stable=True)  # chunk by chunk, each in local-expert order
+    sort_C, start = [], 0
+    for num_rows in num_rows_C:
+        sort_C.append(order_M[start : start + num_rows] - start if start else order_M[:num_rows])
+        start += num_rows
+    return sort_C, recv_counts_CRL.sum(dim=1)
+
+
+def rows_by_expert(x_MH: torch.Tensor, sort_M: torch.Tensor, *, ep_size: int) -> torch.Tensor:
+    """Received rows in the experts' order; the gradient leaving the experts is scaled by ep
+    (see ``rows_by_source``). moe_permute with K=1 is x[sort_M] with a gather backward
+    (index_select's is an atomic scatter)."""
+    return _ScaleGrad.apply(moe_permute(x_MH, sort_M, 1), float(ep_size))
+
+
+def rows_by_source(y_MH: torch.Tensor, sort_M: torch.Tensor, *, ep_size: int) -> torch.Tensor:
+    """The experts' output rows back in received order (grouped by source rank), ready to return.
+
+    Expert gradients: the experts' FSDP2 group (dp_shard_mod_ep) averages over world / ep ranks, but
+    each rank's expert gradient already sums the tokens of ep ranks; scaling the gradient entering the
+    experts by 1 / ep (here, and the one leaving them by ep, in ``rows_by_expert``) makes the expert
+    weights' gradients the world average like every other parameter's, while the activations'
+    gradients are unchanged. (Exact for power-of-two ep.) This avoids FSDP2's custom divide factor,
+    which gloo's sum-only reductions apply twice on a one-rank group.
+    """
+    y_MH = _ScaleGrad.apply(y_MH, 1.0 / ep_size)
+    return torch.empty_like(y_MH).index_copy(0, sort_M, y_MH)
+
+
 @dataclass
 class ExpertParallelState:
     local: PermutationState
@@ -72,7 +136,7 @@ class ExpertParallelState:
     recv_splits: list[int]
 
 
-class ExpertParallelDispatcher:
+class ExpertParallelDispatcher(TokenDispatcher):
     """Tokens go to the rank holding their expert (rank r holds experts [r*L, (r+1)*L))."""
 
     def __init__(self, *, group: dist.ProcessGroup, ep_size: int) -> None:
@@ -81,40 +145,18 @@ class ExpertParallelDispatcher:
 
     def dispatch(self, x_TH: torch.Tensor, routing: Routing, *, num_experts: int):
         x_NH, counts_E, local = permute(x_TH, routing, num_experts=num_experts)
-        num_local = num_experts // self.ep_size
-        recv_counts_RL, send_splits, recv_splits = self._exchange_counts(counts_E, num_local)
-        x_MH = all_to_all(x_NH, output_splits=recv_splits, input_splits=send_splits, group=self.group)
-        # Received rows are grouped by (source rank, local expert); the experts want them by local expert.
-        local_expert_RL = torch.arange(num_local, device=x_MH.device).expand(self.ep_size, num_local)
-        expert_M = torch.repeat_interleave(
-            local_expert_RL.reshape(-1), recv_counts_RL.reshape(-1), output_size=x_MH.shape[0]
+        recv_counts_CRL, send_splits, recv_splits = exchange_counts(
+            counts_E[None], ep_size=self.ep_size, group=self.group
         )
-        sort_M = torch.argsort(expert_M, stable=True)
-        counts_L = recv_counts_RL.sum(dim=0)
-        # moe_permute with K=1 is x[sort_M] with a gather backward (index_select's is an atomic scatter).
-        x_sorted_MH = _ScaleGrad.apply(moe_permute(x_MH, sort_M, 1), float(self.ep_size))
-        return x_sorted_MH, counts_L, ExpertParallelState(local, sort_M, send_splits, recv_splits)
+        x_MH = all_to_all(x_NH, output_splits=recv_splits[0], input_splits=send_splits[0], group=self.group)
+        (sort_M,), counts_CL = received_expert_order(recv_counts_CRL, num_rows_C=[x_MH.shape[0]])
+        x_sorted_MH = rows_by_expert(x_MH, sort_M, ep_size=self.ep_size)
+        return x_sorted_MH, counts_CL[0], ExpertParallelState(local, sort_M, send_splits[0], recv_splits[0])
 
     def combine(self, y_MH: torch.Tensor, state: ExpertParallelState) -> torch.Tensor:
-        # Expert gradients: the experts' FSDP2 group (dp_shard_mod_ep) averages over world / ep ranks,
-        # but each rank's expert gradient already sums the tokens of ep ranks; scaling the gradient
-        # entering the experts by 1 / ep (and the one leaving them by ep, in dispatch) makes the expert
-        # weights' gradients the world average like every other parameter's, while the activations'
-        # gradients are unchanged. (Exact for power-of-two ep.) This avoids FSDP2's custom divide
-        # factor, which gloo's sum-only reductions apply twice on a one-rank group.
-        y_MH = _ScaleGrad.apply(y_MH, 1.0 / self.ep_size)
-        y_received_MH = torch.empty_like(y_MH).index_copy(0, state.sort_M, y_MH)
+        y_received_MH = rows_by_source(y_MH, state.sort_M, ep_size=self.ep_size)
         y_NH = all_to_all(y_received_MH, output_splits=state.send_splits, input_splits=state.recv_splits, group=self.group)
         return unpermute(y_NH, state.local)
-
-    def _exchange_counts(self, counts_E: torch.Tensor, num_local: int) -> tuple[torch.Tensor, list[int], list[int]]:
-        """Every rank learns how many rows each rank sends to each of its local experts; then the one
-        host sync of the layer fetches the send / receive split sizes together."""
-        send_counts_RL = counts_E.view(self.ep_size, num_local)
-        recv_counts_RL = torch.empty_like(send_counts_RL)
-        dist.all_to_all_single(recv_counts_RL, send_counts_RL.contiguous(), group=self.group)
-        splits = torch.stack([send_counts_RL.sum(dim=1), recv_counts_RL.sum(dim=1)]).tolist()  # host sync
-        return recv_counts_RL, splits[0], splits[1]
 
     def __repr__(self) -> str:
         return f"ExpertParallelDispatcher(ep_size={self.ep_size})"
@@ -129,7 +171,7 @@ class CapacityState:
     kept_N: torch.Tensor
 
 
-class CapacityExpertParallelDispatcher:
+class CapacityExpertParallelDispatcher(TokenDispatcher):
     """Expert parallelism without a host sync: every rank sends each peer a fixed ``capacity`` rows.
 
     ``capacity = ceil(capacity_factor * T*K / ep)``; with ``capacity_factor >= ep`` no row is ever
@@ -168,12 +210,11 @@ class CapacityExpertParallelDispatcher:
         dist.all_to_all_single(expert_M, meta_S, group=self.group)
         sort_M = torch.argsort(expert_M, stable=True)  # padding (id num_local) last
         counts_L = tokens_per_expert(expert_M, num_local + 1)[:num_local]
-        x_sorted_MH = _ScaleGrad.apply(moe_permute(x_MH, sort_M, 1), float(ep))
+        x_sorted_MH = rows_by_expert(x_MH, sort_M, ep_size=ep)
         return x_sorted_MH, counts_L, CapacityState(local, sort_M, slot_N, kept_N)
 
     def combine(self, y_MH: torch.Tensor, state: CapacityState) -> torch.Tensor:
-        y_MH = _ScaleGrad.apply(y_MH, 1.0 / self.ep_size)  # see ExpertParallelDispatcher.combine
-        y_received_MH = torch.empty_like(y_MH).index_copy(0, state.sort_M, y_MH)
+        y_received_MH = rows_by_source(y_MH, state.sort_M, ep_size=self.ep_size)
         splits = [y_MH.shape[0] // self.ep_size] * self.ep_size
         y_SH = all_to_all(y_received_MH, output_splits=splits, input_splits=splits, group=self.group)
         y_NH = y_SH.index_select(0, state.slot_N.clamp(max=y_SH.shape[0] - 1))

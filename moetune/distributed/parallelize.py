@@ -28,7 +28,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
 from moetune.distributed.mesh import ParallelMesh, build_mesh, rank_device, require_process_group
-from moetune.moe import GroupedExperts, MoEBlock
+from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
+from moetune.moe import GroupedExperts, MoEBlock, TokenDispatcher
+from moetune.options import check_ep_overlap_chunks
 
 
 @dataclass
@@ -49,6 +51,10 @@ class ParallelConfig:
     ep_capacity_factor: float | None = None
     """None: exact all-to-all splits (one host sync per MoE layer). A number: fixed per-peer buffers of
     ceil(factor * routed rows / ep) rows, no host sync; >= ep never drops a token (see dispatcher.py)."""
+    ep_overlap_chunks: int = 1
+    """1: each MoE layer's all-to-alls and experts run one after another. C >= 2: the layer's tokens go
+    in C chunks whose all-to-alls overlap the experts of other chunks on CUDA (pipelined_dispatcher.py).
+    Only with exact splits (``ep_capacity_factor=None``)."""
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
@@ -83,7 +89,9 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) ->
     """EP -> activation checkpointing -> (compile) -> FSDP2, in place; parameters stay on the meta device."""
     check_unsharded(model)
     if mesh.ep_size > 1:
-        apply_expert_parallel(model, mesh, capacity_factor=config.ep_capacity_factor)
+        apply_expert_parallel(
+            model, mesh, capacity_factor=config.ep_capacity_factor, overlap_chunks=config.ep_overlap_chunks
+        )
     if config.lora is not None:
         from moetune.lora import apply_lora
 
@@ -114,15 +122,14 @@ def _refuse_ddp(model: nn.Module) -> None:
         cls._ddp_params_and_buffers_to_ignore = property(refuse)
 
 
-def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, *, capacity_factor: float | None = None) -> None:
+def apply_expert_parallel(
+    model: nn.Module, mesh: ParallelMesh, *, capacity_factor: float | None = None, overlap_chunks: int = 1
+) -> None:
     """Experts' 3-D weights become DTensors ``Shard(0)`` over ``ep``; each MoE block gets the all-to-all dispatcher."""
     ep_mesh, ep_size = mesh.ep, mesh.ep_size
-    if capacity_factor is None:
-        dispatcher = ExpertParallelDispatcher(group=ep_mesh.get_group(), ep_size=ep_size)
-    else:
-        dispatcher = CapacityExpertParallelDispatcher(
-            group=ep_mesh.get_group(), ep_size=ep_size, capacity_factor=capacity_factor
-        )
+    dispatcher = expert_parallel_dispatcher(
+        ep_mesh.get_group(), ep_size=ep_size, capacity_factor=capacity_factor, overlap_chunks=overlap_chunks
+    )
     for block in moe_blocks(model):
         experts = block.experts
         if not isinstance(experts, GroupedExperts):
@@ -137,6 +144,17 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh, *, capacity_fact
             )
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         block.dispatcher = dispatcher
+
+
+def expert_parallel_dispatcher(
+    group, *, ep_size: int, capacity_factor: float | None, overlap_chunks: int
+) -> TokenDispatcher:
+    check_ep_overlap_chunks(overlap_chunks, capacity_factor=capacity_factor)
+    if capacity_factor is not None:
+        return CapacityExpertParallelDispatcher(group=group, ep_size=ep_size, capacity_factor=capacity_factor)
+    if overlap_chunks > 1:
+        return PipelinedExpertParallelDispatcher(group=group, ep_size=ep_size, num_chunks=overlap_chunks)
+    return ExpertParallelDispatcher(group=group, ep_size=ep_size)
 
 
 def apply_activation_checkpointing(model: nn.Module) -> None:
@@ -208,6 +226,7 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         reduce_dtype=_dtype(getattr(options, "reduce_dtype", torch.float32), "reduce_dtype"),
         activation_checkpointing=bool(getattr(options, "activation_checkpointing", False)),
         ep_capacity_factor=_capacity_factor(getattr(options, "ep_capacity_factor", None)),
+        ep_overlap_chunks=getattr(options, "ep_overlap_chunks", 1),
         lora=getattr(options, "lora", None),
     )
     if device.type == "cuda":

@@ -39,7 +39,7 @@ def moe_combine_reference(y_NH: torch.Tensor, weights_TK: torch.Tensor, order_N:
     weights_N = weights_TK.reshape(-1).index_select(0, order_N).to(compute_dtype)
     weighted_NH = y_NH.to(compute_dtype) * weights_N.unsqueeze(-1)
     slots_NH = torch.zeros_like(weighted_NH).index_copy(0, order_N, weighted_NH)
-    return slots_NH.view(num_tokens, top_k, -1).sum(dim=1).to(y_NH.dtype)
+    return slots_NH.view(num_tokens, top_k, slots_NH.shape[1]).sum(dim=1).to(y_NH.dtype)  # also for T = 0
 
 
 def inverse_order(order_N: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,17 @@
 """Token dispatchers: move each token to the experts that hold its routed copies, and back.
 
 A dispatcher turns (tokens, routing) into rows sorted by local expert plus the count per local
-expert, and turns the experts' outputs back into one weighted sum per token. The single-device
-dispatcher only permutes; the expert-parallel one (moetune.distributed) adds the all-to-all;
-a DeepEP-style fused backend is one more implementation of this interface.
+expert, and turns the experts' outputs back into one weighted sum per token; ``run`` does both
+around the experts' call. The single-device dispatcher only permutes; the expert-parallel ones
+(moetune.distributed) add the all-to-all, and the pipelined one overlaps it with the experts by
+overriding ``run``; a DeepEP-style fused backend is one more implementation of this interface.
 
 Shape legend: T tokens, H hidden, K experts per token, N = T*K routed rows, E experts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,12 +21,33 @@ from moetune.kernels import moe_combine, moe_permute
 from moetune.moe.routing import Routing
 
 
+Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``experts(rows sorted by local expert, rows per local expert) -> output rows`` (a ``GroupedExperts``)."""
+
+
 class TokenDispatcher(Protocol):
+    """Subclass it to get ``run``; ``MoEBlock`` calls only ``run``."""
+
     def dispatch(self, x_TH: torch.Tensor, routing: Routing, *, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Return (rows sorted by local expert, tokens per local expert, state for combine)."""
 
     def combine(self, y_NH: torch.Tensor, state: Any) -> torch.Tensor:
         """Return the per-token weighted sum of the experts' outputs [T, H]."""
+
+    def run(self, x_TH: torch.Tensor, routing: Routing, experts: Experts, *, num_experts: int) -> torch.Tensor:
+        """dispatch -> experts -> combine: the per-token output [T, H]. A dispatcher that overlaps its
+        communication with the experts' compute (moetune.distributed's pipelined one) overrides it."""
+        x_NH, counts, state = self.dispatch(x_TH, routing, num_experts=num_experts)
+        return self.combine(apply_experts(experts, x_NH, counts), state)
+
+
+def apply_experts(experts: Experts, x_NH: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``experts(x_NH, counts)``, made a function of ``x_NH`` also when it has no rows. An experts module
+    given no rows may return an output that ignores them; autograd would then skip this rank's backward
+    of the all-to-all that delivered them, while the ranks that sent it rows run theirs: the
+    collectives would pair up wrongly."""
+    y_NH = experts(x_NH, counts)
+    return y_NH + 0 * x_NH.sum() if x_NH.shape[0] == 0 else y_NH
 
 
 def tokens_per_expert(experts_N: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -55,7 +78,7 @@ def unpermute(y_NH: torch.Tensor, state: PermutationState) -> torch.Tensor:
     return moe_combine(y_NH, state.weights_TK, state.order_N)
 
 
-class LocalTokenDispatcher:
+class LocalTokenDispatcher(TokenDispatcher):
     """Single device (or no expert parallelism): permutation only, no communication, no host sync."""
 
     def dispatch(self, x_TH, routing, *, num_experts):

@@ -128,11 +128,13 @@ def run_experts(
         for expert, rows_NH in enumerate(torch.split(x_NH[: sum(counts)], counts))
         if rows_NH.shape[0] > 0
     ]
-    num_padding = x_NH.shape[0] - sum(counts)
-    if num_padding or not outputs:
-        # Padding rows give zeros; with no real rows the weights still join the graph (every rank's
-        # backward then has the same shape).
-        outputs.append(x_NH.new_zeros(num_padding, down_proj.shape[1]) + 0 * (in_proj.sum() + down_proj.sum()))
+    padding_NH = x_NH[sum(counts) :]
+    if padding_NH.shape[0] or not outputs:
+        # Padding rows give zeros. With no real rows the weights and the (empty) input still join the
+        # graph, so every rank's backward has the same shape: FSDP2's post-backward hook on the input
+        # fires and the all-to-all that delivered the rows runs its backward, as on the other ranks.
+        zeros = padding_NH.new_zeros(padding_NH.shape[0], down_proj.shape[1])
+        outputs.append(zeros + 0 * (in_proj.sum() + down_proj.sum() + padding_NH.sum()))
     return torch.cat(outputs)
 
 

@@ -2,7 +2,8 @@
 
 Each stage is a small replaceable part: ``gate`` (a router module), ``experts`` (a grouped-experts
 module), ``dispatcher`` (a plain object, swapped by expert parallelism; it holds no parameters so
-state dicts are unchanged) and optional ``shared_experts``.
+state dicts are unchanged; its ``run`` calls the experts between dispatch and combine, so a
+pipelined dispatcher can split the work into chunks) and optional ``shared_experts``.
 """
 
 from __future__ import annotations
@@ -35,9 +36,7 @@ class MoEBlock(nn.Module):
     def forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
         x_TH = hidden_BSH.reshape(-1, hidden_BSH.shape[-1])
         routing = self.gate(x_TH)
-        x_NH, counts_E, state = self.dispatcher.dispatch(x_TH, routing, num_experts=self.num_experts)
-        y_NH = self.experts(x_NH, counts_E)
-        out_TH = self.dispatcher.combine(y_NH, state).to(hidden_BSH.dtype)
+        out_TH = self.dispatcher.run(x_TH, routing, self.experts, num_experts=self.num_experts).to(hidden_BSH.dtype)
         if getattr(self, "shared_experts", None) is not None:
             out_TH = out_TH + self.shared_experts(x_TH)
         return out_TH.view_as(hidden_BSH)

@@ -165,6 +165,10 @@ class DistributedConfig:
     """Expert parallelism (moetune's MoE architectures, under torchrun): experts split over this many
     ranks, everything else FSDP2-sharded over all ranks, on one device mesh (moetune.distributed).
     Must divide the number of processes and the number of experts; 1 = no expert parallelism."""
+    ep_overlap_chunks: int = 1
+    """With ep_size > 1: split each MoE layer's tokens into this many chunks so that on GPU the
+    all-to-alls of one chunk overlap the experts' compute of another (same results; when it pays:
+    moetune/distributed/README.md); 1 = no overlap."""
     reduce_dtype: str = "float32"
     """Gradient reduce-scatter dtype with ep_size > 1 ("float32" exact sums, or "bfloat16")."""
     backend: str = ""
@@ -225,6 +229,7 @@ def validate(config: JobConfig) -> JobConfig:
         ("data.max_length", config.data.max_length),
         ("checkpoint.keep_last", config.checkpoint.keep_last),
         ("metrics.log_every", config.metrics.log_every),
+        ("distributed.ep_overlap_chunks", config.distributed.ep_overlap_chunks),
     ]:
         check(value >= 1, name, f"must be >= 1, got {value}")
     for name, value in [

@@ -49,7 +49,12 @@ def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora) -> di
     """moetune's ``from_pretrained`` options for expert parallelism, or None for data parallelism."""
     if not runtime.distributed or config.ep_size == 1:
         return None
-    return {"ep_size": config.ep_size, "reduce_dtype": getattr(torch, config.reduce_dtype), "lora": lora}
+    return {
+        "ep_size": config.ep_size,
+        "ep_overlap_chunks": config.ep_overlap_chunks,
+        "reduce_dtype": getattr(torch, config.reduce_dtype),
+        "lora": lora,
+    }
 
 
 def is_sharded_by_moetune(model: torch.nn.Module) -> bool:

@@ -42,8 +42,9 @@ def load_model_config(config: ModelConfig) -> PretrainedConfig:
 def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: torch.dtype,
                 device: torch.device, sharding: dict | None = None) -> PreTrainedModel:
     """From ``pretrained_path`` (weights loaded) or from ``config_path`` (random init, seeded by
-    the caller), in train mode. ``sharding`` (moetune's ``ep_size`` / ``lora`` / ``reduce_dtype``
-    options) returns a model already sharded over the ranks, each reading only its own weights."""
+    the caller), in train mode. ``sharding`` (moetune's ``ep_size`` / ``ep_overlap_chunks`` /
+    ``lora`` / ``reduce_dtype`` options) returns a model already sharded over the ranks, each reading
+    only its own weights."""
     kwargs = {"dtype": dtype}
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation

@@ -55,11 +55,11 @@ def spawn(fn, world_size: int, *args) -> None:
         )
 
 
-def micro_batch(step: int, rank: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_batch(step: int, rank: int, vocab: int, *, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank ``rank``'s micro-batch of ``step`` (ids, labels); a few labels are ignored (-100), a
     different number per rank, so token counts differ between ranks."""
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    ids = torch.randint(0, vocab, (MICRO_BATCH, SEQ), generator=gen)
+    ids = torch.randint(0, vocab, (MICRO_BATCH, seq), generator=gen)
     labels = ids.clone()
     labels[0, : rank + step % 3] = -100
     return ids, labels
@@ -69,16 +69,21 @@ def valid_targets(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != -100).sum())
 
 
-def global_batch(step: int, world_size: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    parts = [micro_batch(step, r, vocab) for r in range(world_size)]
+def global_batch(step: int, world_size: int, vocab: int, *, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
+    parts = [micro_batch(step, r, vocab, seq=seq) for r in range(world_size)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
+def distributed_output(model, step: int, rank: int, world_size: int, vocab: int, *, seq: int = SEQ, **kwargs):
+    """This rank's model output; its loss is this rank's term (see the module docstring): the global
+    loss is the rank mean of the losses. ``kwargs`` go to the model (``return_logits=True``)."""
+    ids, labels = micro_batch(step, rank, vocab, seq=seq)
+    count = sum(valid_targets(micro_batch(step, r, vocab, seq=seq)[1]) for r in range(world_size))
+    return model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(count / world_size), **kwargs)
+
+
 def distributed_loss(model, step: int, rank: int, world_size: int, vocab: int) -> torch.Tensor:
-    """This rank's loss term (see the module docstring); returns it (the global loss is its rank mean)."""
-    ids, labels = micro_batch(step, rank, vocab)
-    count = sum(valid_targets(micro_batch(step, r, vocab)[1]) for r in range(world_size))
-    return model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(count / world_size)).loss
+    return distributed_output(model, step, rank, world_size, vocab).loss
 
 
 def global_loss_value(loss: torch.Tensor, world_size: int) -> float:
@@ -87,9 +92,14 @@ def global_loss_value(loss: torch.Tensor, world_size: int) -> float:
     return value.item() / world_size
 
 
+def reference_output(model, step: int, world_size: int, vocab: int, *, seq: int = SEQ, **kwargs):
+    """One process on all ranks' micro-batches concatenated (rank r's rows are r*MICRO_BATCH...)."""
+    ids, labels = global_batch(step, world_size, vocab, seq=seq)
+    return model(input_ids=ids, labels=labels, **kwargs)
+
+
 def reference_loss(model, step: int, world_size: int, vocab: int) -> torch.Tensor:
-    ids, labels = global_batch(step, world_size, vocab)
-    return model(input_ids=ids, labels=labels).loss
+    return reference_output(model, step, world_size, vocab).loss
 
 
 def gathered(tensor: torch.Tensor) -> torch.Tensor:

@@ -40,7 +40,8 @@ def two_experts_checkpoint(tmp_path_factory):
 def test_two_processes(checkpoint, tmp_path):
     """ep=2: SGD steps + clipping + AdamW equal one process; EP save equals the single-process save;
     DCP resume; activation checkpointing; a user's (2, 1) mesh; bf16 compute; from_config; capacity
-    dispatch; unsharded without ep_size; tied embeddings."""
+    dispatch; the pipelined dispatcher (ep_overlap_chunks 2 and 3); unsharded without ep_size; tied
+    embeddings."""
     torch.manual_seed(2)
     config = tiny_qwen3_moe_config(vocab_size=64, output_router_logits=False, tie_word_embeddings=True)
     tied = save_per_expert_checkpoint(transformers.Qwen3MoeForCausalLM(config), tmp_path / "tied")
@@ -48,7 +49,8 @@ def test_two_processes(checkpoint, tmp_path):
 
 
 def test_four_processes(checkpoint, two_experts_checkpoint, tmp_path):
-    """ep=4 and ep=2 x dp_shard_mod_ep=2: training parity and save equality; Shard(1) experts."""
+    """ep=4 and ep=2 x dp_shard_mod_ep=2: training parity and save equality; Shard(1) experts; the
+    pipelined dispatcher at ep=4 and at ep=2 x 2 (FSDP2-sharded experts called once per chunk)."""
     spawn(workers.four_process_suite, 4, checkpoint, two_experts_checkpoint, str(tmp_path))
 
 
@@ -65,6 +67,20 @@ def test_needs_a_process_group():
 def test_ep_size_must_be_a_positive_int(ep_size):
     with pytest.raises(ValueError, match="ep_size must be a positive int"):
         moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(vocab_size=64), ep_size=ep_size)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"ep_overlap_chunks": 0}, "ep_overlap_chunks must be a positive int"),
+        ({"ep_overlap_chunks": 2.0}, "ep_overlap_chunks must be a positive int"),
+        ({"ep_overlap_chunks": True}, "ep_overlap_chunks must be a positive int"),
+        ({"ep_overlap_chunks": 2, "ep_capacity_factor": 2.0}, "cannot be combined with ep_capacity_factor"),
+    ],
+)
+def test_ep_overlap_chunks_is_checked(options, match):
+    with pytest.raises(ValueError, match=match):
+        moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(vocab_size=64), ep_size=2, **options)
 
 
 def test_lora_through_from_pretrained_under_expert_parallelism(checkpoint):

@@ -6,6 +6,7 @@ checkpoint and trains it on the concatenation of all ranks' micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -20,11 +21,15 @@ from moetune.distributed import (
 )
 from moetune.moe import MoEBlock
 from tests.distributed.helpers import (
+    MICRO_BATCH,
+    SEQ,
     distributed_loss,
+    distributed_output,
     gathered,
     global_loss_value,
     read_safetensors,
     reference_loss,
+    reference_output,
     rel_err,
 )
 
@@ -216,6 +221,8 @@ def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str,
     # Capacity-padded dispatch: with factor >= ep nothing is dropped, so it is exact too.
     one_step_parity(rank, world_size, folder, what="ep=2, capacity 2.0", ep_size=2, ep_capacity_factor=2.0)
     dispatchers(rank, world_size)
+    pipelined_dispatch(rank, world_size)
+    pipelined_parity(rank, world_size, folder, ep=2, chunks=(2, 3))
     generate_parity(rank, world_size, folder)
     # Tied LM head and embeddings: one parameter, in FSDP2's root group.
     one_step_parity(rank, world_size, tied_folder, what="tied embeddings, ep=2", ep_size=2)
@@ -247,16 +254,10 @@ def dispatchers(rank: int, world_size: int) -> None:
     grad_exact = torch.autograd.grad(exact.sum(), x)[0]
     torch.testing.assert_close(grad_exact, torch.autograd.grad(expected.sum(), x)[0])
 
-    def no_host_sync(*_args, **_kwargs):
-        raise AssertionError("host sync in the capacity dispatcher")
-
-    saved = torch.Tensor.tolist, torch.Tensor.item
-    torch.Tensor.tolist = torch.Tensor.item = no_host_sync
-    try:
+    with host_syncs() as syncs:
         padded, _ = round_trip(CapacityExpertParallelDispatcher(group=group, ep_size=world_size, capacity_factor=2.0))
         dropping, _ = round_trip(CapacityExpertParallelDispatcher(group=group, ep_size=world_size, capacity_factor=0.5))
-    finally:
-        torch.Tensor.tolist, torch.Tensor.item = saved
+    assert not syncs, f"host syncs in the capacity dispatcher: {syncs}"
     torch.testing.assert_close(padded, expected)
     torch.testing.assert_close(torch.autograd.grad(padded.sum(), x)[0], grad_exact)
     # Rank 0's experts get more than capacity rows from every rank: some (token, expert) pairs drop.
@@ -264,6 +265,139 @@ def dispatchers(rank: int, world_size: int) -> None:
     flag = dropped.any().float()
     dist.all_reduce(flag)
     assert flag.item() > 0, "capacity 0.5 dropped nothing"
+
+
+@contextlib.contextmanager
+def host_syncs():
+    """Yields the list of ``.tolist()`` / ``.item()`` calls made inside (each one waits for the device)."""
+    calls: list[str] = []
+    saved = torch.Tensor.tolist, torch.Tensor.item
+
+    def recording(name: str, original):
+        def call(self, *args, **kwargs):
+            calls.append(name)
+            return original(self, *args, **kwargs)
+
+        return call
+
+    torch.Tensor.tolist, torch.Tensor.item = recording("tolist", saved[0]), recording("item", saved[1])
+    try:
+        yield calls
+    finally:
+        torch.Tensor.tolist, torch.Tensor.item = saved
+
+
+def pipelined_dispatch(rank: int, world_size: int) -> None:
+    """``PipelinedExpertParallelDispatcher.run`` alone, C in {2, 3}, with experts that scale each row by
+    a weight of its expert: the output and the gradients of the tokens, the routing weights and the
+    expert weights equal ``ExpertParallelDispatcher``'s (output and token gradients also the local
+    dispatcher's); one host sync per call, none in backward. 13 tokens (divisible by neither C) whose
+    first 7 go to rank 0's experts only (chunk 0 sends no rows to the other ranks, which receive none),
+    and 2 tokens (with C = 3: an empty chunk)."""
+    from moetune.distributed import ExpertParallelDispatcher, PipelinedExpertParallelDispatcher
+    from moetune.moe import LocalTokenDispatcher, Routing
+
+    num_experts, hidden, top_k = 8, 4, 2
+    num_local = num_experts // world_size
+    weight_EH = torch.randn(num_experts, hidden, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    gen = torch.Generator().manual_seed(10 + rank)
+
+    def scaled_rows(first_expert: int):
+        def experts(x_MH, counts_L):
+            if x_MH.shape[0] == 0:  # like GroupedExperts: an output that ignores the (no) rows
+                return x_MH.new_zeros(0, hidden) + 0 * weight_EH.sum()
+            local_M = torch.repeat_interleave(torch.arange(counts_L.numel()), counts_L, output_size=x_MH.shape[0])
+            return x_MH * weight_EH[first_expert + local_M]
+
+        return experts
+
+    def run(dispatcher, first_expert: int, x, routing, probe):
+        out = dispatcher.run(x, routing, scaled_rows(first_expert), num_experts=num_experts)
+        return out, torch.autograd.grad((out * probe).sum(), [x, routing.weights_TK, weight_EH])
+
+    group = dist.group.WORLD
+    for num_tokens in (13, 2):
+        x = torch.randn(num_tokens, hidden, generator=gen, requires_grad=True)
+        experts = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+        experts[:7] = torch.stack([torch.randperm(num_local, generator=gen)[:top_k] for _ in experts[:7]])
+        weights = torch.rand(num_tokens, top_k, generator=gen, requires_grad=True)
+        routing = Routing(torch.zeros(num_tokens, num_experts), weights, experts)
+        probe = torch.randn(num_tokens, hidden, generator=gen)
+        local_out, (local_dx, local_dw, _) = run(LocalTokenDispatcher(), 0, x, routing, probe)
+        exact = ExpertParallelDispatcher(group=group, ep_size=world_size)
+        ep_out, ep_grads = run(exact, rank * num_local, x, routing, probe)
+        for chunks in (2, 3):
+            pipelined = PipelinedExpertParallelDispatcher(group=group, ep_size=world_size, num_chunks=chunks)
+            with host_syncs() as syncs:
+                out = pipelined.run(x, routing, scaled_rows(rank * num_local), num_experts=num_experts)
+                assert syncs == ["tolist"], f"{chunks} chunks: host syncs in forward {syncs}"
+                grads = torch.autograd.grad((out * probe).sum(), [x, routing.weights_TK, weight_EH])
+                assert syncs == ["tolist"], f"{chunks} chunks: host syncs in backward {syncs[1:]}"
+            torch.testing.assert_close(out, ep_out)
+            torch.testing.assert_close(out, local_out)
+            for got, expected in zip(grads, ep_grads):
+                torch.testing.assert_close(got, expected)
+            torch.testing.assert_close(grads[0], local_dx)
+            torch.testing.assert_close(grads[1], local_dw)
+
+
+def pipelined_parity(rank: int, world_size: int, folder: str, *, ep: int, chunks: tuple[int, ...]) -> None:
+    """``ep_overlap_chunks``: loss, logits and every gradient equal ``ExpertParallelDispatcher``'s and one
+    process's (fp32, 1e-5), for each C in ``chunks``, on 20 tokens per rank (not divisible by 3) and on 6
+    (chunks of two or three tokens, of which some send no rows to some rank: checked)."""
+    from moetune.distributed import ExpertParallelDispatcher, PipelinedExpertParallelDispatcher
+    from moetune.distributed.pipelined_dispatcher import chunk_of_tokens
+
+    vocab = 64
+    model, ref = _load(folder, ep_size=ep, ep_overlap_chunks=chunks[0]), _load(folder)
+    blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    loaded = blocks[0].dispatcher
+    assert isinstance(loaded, PipelinedExpertParallelDispatcher) and loaded.num_chunks == chunks[0], loaded
+    dispatchers = {"ExpertParallelDispatcher": ExpertParallelDispatcher(group=loaded.group, ep_size=ep)}
+    for c in chunks:
+        dispatchers[f"ep_overlap_chunks={c}"] = PipelinedExpertParallelDispatcher(
+            group=loaded.group, ep_size=ep, num_chunks=c
+        )
+    routings = []
+    hooks = [block.gate.register_forward_hook(lambda _m, _i, routing: routings.append(routing)) for block in blocks]
+    for seq in (SEQ, 3):
+        expected = reference_output(ref, 0, world_size, vocab, seq=seq, return_logits=True)
+        expected.loss.backward()
+        expected_logits = expected.logits[rank * MICRO_BATCH : (rank + 1) * MICRO_BATCH]
+        baseline = None
+        for name, dispatcher in dispatchers.items():
+            what = f"ep={ep}, {name}, {MICRO_BATCH * seq} tokens per rank"
+            for block in blocks:
+                block.dispatcher = dispatcher
+            out = distributed_output(model, 0, rank, world_size, vocab, seq=seq, return_logits=True)
+            out.loss.backward()
+            loss = global_loss_value(out.loss, world_size)
+            assert abs(loss - expected.loss.item()) <= TOL * abs(expected.loss.item()), f"{what}: loss {loss}"
+            assert rel_err(out.logits, expected_logits) < TOL, f"{what}: logits differ"
+            _compare_grads(model, ref, what=what)
+            grads = {n: gathered(p.grad).clone() for n, p in model.named_parameters()}
+            if baseline is None:
+                baseline = loss, out.logits.detach(), grads
+            else:
+                assert abs(loss - baseline[0]) <= TOL * abs(baseline[0]), f"{what}: loss {loss} vs {baseline[0]}"
+                assert rel_err(out.logits, baseline[1]) < TOL, f"{what}: logits differ from ExpertParallelDispatcher's"
+                for param_name, grad in grads.items():
+                    err = rel_err(grad, baseline[2][param_name])
+                    assert err < TOL, f"{what}: gradient of {param_name} differs from EP's by {err:.2e}"
+            model.zero_grad()
+        ref.zero_grad()
+    for hook in hooks:
+        hook.remove()
+    # The last forward (6 tokens, the largest C): some chunk sent no rows to some rank.
+    num_local, last = blocks[0].num_experts // ep, routings[-len(blocks) :]
+    skipped = 0
+    for routing in last:
+        chunk_T = chunk_of_tokens(routing.experts_TK.shape[0], chunks[-1], device=torch.device("cpu"))
+        for c in chunk_T.unique().tolist():
+            skipped += len(set((routing.experts_TK[chunk_T == c] // num_local).flatten().tolist())) < ep
+    flag = torch.tensor(float(skipped))
+    dist.all_reduce(flag)
+    assert flag.item() > 0, "no chunk sent zero rows to a rank: the case is not exercised"
 
 
 def mixed_precision_and_from_config(rank: int, world_size: int, folder: str) -> None:
@@ -309,6 +443,9 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
     del model
     one_step_parity(rank, world_size, two_experts_folder, what="2 experts, ep=2 x dp 2 (Shard(1))", ep_size=2)
     _check_save_equal(_load(two_experts_folder, ep_size=2), _load(two_experts_folder), Path(out) / "two", rank)
+    pipelined_dispatch(rank, world_size)
+    pipelined_parity(rank, world_size, folder, ep=4, chunks=(3,))
+    pipelined_parity(rank, world_size, folder, ep=2, chunks=(3,))  # experts FSDP2-sharded over dp 2: called per chunk
 
 
 def bad_inputs(rank: int, world_size: int, folder: str) -> None:

@@ -81,6 +81,7 @@ def test_unknown_key_names_it_and_the_closest_valid_key(tmp_path):
     (["--training.precision", "fp8"], "config field training.precision: 'fp8' is not one of"),
     (["--data.on_bad_row", "ignore"], "config field data.on_bad_row"),
     (["--lora.rank", "-1"], "config section lora: LoraSettings.rank must be a positive int"),
+    (["--distributed.ep_overlap_chunks", "0"], "config field distributed.ep_overlap_chunks: must be >= 1, got 0"),
 ])
 def test_bad_values_name_the_field(override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):

@@ -65,7 +65,9 @@ def test_expert_parallel_two_ranks_train_resume_and_export(tmp_path):
 def test_lora_under_expert_parallelism_exports_a_peft_adapter(tmp_path):
     import peft
 
+    # With the pipelined expert-parallel dispatcher (distributed.ep_overlap_chunks).
     run_job(tmp_path, tmp_path / "lora", "--training.steps", "2", "--distributed.ep_size", "2",
+            "--distributed.ep_overlap_chunks", "2",
             "--lora.enabled", "true", "--lora.target_experts", "true", "--lora.export_merged", "false")
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lora/base")
     model = peft.PeftModel.from_pretrained(base, tmp_path / "lora/adapter")
