@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--loss-tol", type=float, default=None, help="default 2e-2 (bf16) / 1e-4 (fp32)")
     parser.add_argument("--grad-tol", type=float, default=None, help="default 5e-2 (bf16) / 1e-3 (fp32)")
+    parser.add_argument("--ep-overlap-chunks", type=int, default=1, help="> 1: the pipelined dispatcher")
     parser.add_argument("--checkpoint", default=None, help="a Qwen3-MoE folder; default: a random one in /tmp")
     return parser.parse_args()
 
@@ -100,7 +101,9 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
 
     folder = make_checkpoint(args, rank)
-    model = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, ep_size=ep).train()
+    model = moetune.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, ep_size=ep, ep_overlap_chunks=args.ep_overlap_chunks
+    ).train()
     ref = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device).train()
     vocab = model.config.vocab_size
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -161,7 +164,8 @@ def main() -> None:
     if rank == 0:
         tokens = args.micro_batch * args.seq_len
         print(
-            f"RESULT ep_parity {'PASS' if ok else 'FAIL'} world={world} ep={ep} dtype={args.dtype} steps={args.steps} "
+            f"RESULT ep_parity {'PASS' if ok else 'FAIL'} world={world} ep={ep} chunks={args.ep_overlap_chunks} "
+            f"dtype={args.dtype} steps={args.steps} "
             f"max_loss_rel={worst_loss:.2e} (tol {loss_tol:.0e}) max_grad_rel={worst_grad:.2e} (tol {grad_tol:.0e}) "
             f"ms_per_step={ms:.1f} tokens_per_s_per_gpu={tokens / ms * 1e3:.0f} "
             f"peak_gib={torch.cuda.max_memory_allocated() / 2**30 if cuda else 0:.2f}",

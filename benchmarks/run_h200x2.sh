@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # Two H200s: Transformers v5 with FSDP2 on every decoder layer (no EP) vs moetune with expert
-# parallelism (ep_size = 2), 16 layers, seq 4096, micro-batch 1, real and balanced routing.
-# Reports tokens/s/GPU; results under $OUT (default benchmarks/results).
+# parallelism (ep_size = 2), 16 layers, seq 4096, micro-batch 1, real and balanced routing
+# (rows B and C), plus the checks and one-GPU references around them. Results under $OUT
+# (default benchmarks/results).
 #
 #   OUT=/some/dir bash benchmarks/run_h200x2.sh
+#   STAGES picks stages (default: parity rowB); the others:
+#     parity     EP bf16 parity vs one process, plain and pipelined dispatchers (benchmarks/ep_parity.py)
+#     rowB       both sides, gradients reduced in bf16, moetune with EP_CHUNKS (default 2) chunks
+#     chunks     moetune alone with 1, 2 and 4 chunks (the pipelined dispatcher's effect)
+#     onegpu16l  moetune alone on GPU 0 at 16 layers, eager and graphed (the 90% reference)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
 NPROC="${NPROC:-2}"
+EP_CHUNKS="${EP_CHUNKS:-2}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MOETUNE_COMMIT="${MOETUNE_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}"
@@ -15,14 +22,48 @@ export PYTHONUNBUFFERED=1
 exec > >(tee -a "$OUT/run_h200x${NPROC}.log") 2>&1
 status=0
 marker="$(mktemp)"
+STAGES=" ${STAGES:-parity rowB} "
+stage() { [[ "$STAGES" == *" $1 "* ]]; }
+bench2() {  # bench2 SECONDS ARGS...: moetune.bench under torchrun on NPROC GPUs
+  # shellcheck disable=SC2086
+  timeout "$1" torchrun --standalone --nproc-per-node "$NPROC" -m moetune.bench --out "$OUT" --layers "${LAYERS:-16}" \
+    --seq-len 4096 --micro-batch 1 "${@:2}" ${EXTRA:-} || status=1
+}
 
-echo "== $(date -u +%FT%TZ) commit $MOETUNE_COMMIT"
+echo "== $(date -u +%FT%TZ) commit $MOETUNE_COMMIT stages:$STAGES"
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count())"
 nvidia-smi topo -m || true
 
-echo "== ${NPROC} GPUs: 16 layers, seq 4096, mb 1, real + balanced"
-timeout 480 torchrun --standalone --nproc-per-node "$NPROC" -m moetune.bench --out "$OUT" \
-  --layers "${LAYERS:-16}" --seq-len 4096 --micro-batch 1 --routing both ${EXTRA:-} || status=1
+if stage parity; then
+  for chunks in 1 "$EP_CHUNKS"; do
+    echo "== EP parity, ep_overlap_chunks=$chunks"
+    timeout 150 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/ep_parity.py --ep-overlap-chunks "$chunks" \
+      2>&1 | grep -E "RESULT|Error|error" || status=1
+  done
+fi
+
+if stage rowB; then
+  echo "== rows B, C: ${NPROC} GPUs, ${LAYERS:-16} layers, real + balanced, bf16 gradient reduction, $EP_CHUNKS chunks"
+  bench2 300 --routing both --moetune-option reduce_dtype=bfloat16 --moetune-option "ep_overlap_chunks=$EP_CHUNKS" \
+    --moetune-optimizer moetune
+fi
+
+if stage chunks; then
+  for chunks in 1 4; do
+    echo "== moetune alone, ep_overlap_chunks=$chunks"
+    bench2 150 --routing both --sides moetune --moetune-option reduce_dtype=bfloat16 \
+      --moetune-option "ep_overlap_chunks=$chunks" --moetune-optimizer moetune
+  done
+fi
+
+if stage onegpu16l; then
+  echo "== moetune alone on one GPU, ${LAYERS:-16} layers, eager then graphed"
+  for graph in "" --moetune-cuda-graph; do
+    # shellcheck disable=SC2086
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python -m moetune.bench --out "$OUT" --layers "${LAYERS:-16}" --seq-len 4096 \
+      --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune $graph ${EXTRA:-} || status=1
+  done
+fi
 
 echo "== summary"
 mapfile -t results < <(find "$OUT" -maxdepth 1 -name '*.json' -newer "$marker")
