@@ -7,14 +7,14 @@
 #   OUT=/some/dir bash benchmarks/run_h200x2.sh
 #   STAGES picks stages (default: parity rowB); the others:
 #     parity     EP bf16 parity vs one process, plain and pipelined dispatchers (benchmarks/ep_parity.py)
-#     rowB       both sides, gradients reduced in bf16, moetune with EP_CHUNKS (default 2) chunks
+#     rowB       both sides, gradients reduced in bf16, moetune with EP_CHUNKS (default 1: no pipelining) chunks
 #     chunks     moetune alone with 1, 2 and 4 chunks (the pipelined dispatcher's effect)
 #     onegpu16l  moetune alone on GPU 0 at 16 layers, eager and graphed (the 90% reference)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
 NPROC="${NPROC:-2}"
-EP_CHUNKS="${EP_CHUNKS:-2}"
+EP_CHUNKS="${EP_CHUNKS:-1}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export MOETUNE_COMMIT="${MOETUNE_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}"
@@ -35,7 +35,7 @@ python -c "import torch, transformers; print('torch', torch.__version__, 'transf
 nvidia-smi topo -m || true
 
 if stage parity; then
-  for chunks in 1 "$EP_CHUNKS"; do
+  for chunks in 1 2; do
     echo "== EP parity, ep_overlap_chunks=$chunks"
     timeout 150 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/ep_parity.py --ep-overlap-chunks "$chunks" \
       2>&1 | grep -E "RESULT|Error|error" || status=1
