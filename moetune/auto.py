@@ -83,6 +83,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             )
         if model_args:
             raise TypeError(f"{family.causal_lm.__name__} takes no positional model arguments, got {model_args!r}")
+        _refuse_quantized(config, folder)
 
         tensors = list_checkpoint_tensors(folder)
         dtype = resolve_dtype(dtype, config, tensors)
@@ -103,6 +104,19 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         model.generation_config = _generation_config(folder, model, generation_config)
         model.eval()
         return model if options.distributed else _with_lora(model, options)
+
+
+def _refuse_quantized(config: PretrainedConfig, folder: Path) -> None:
+    """moetune trains bf16 / fp32 weights; the Hub's FP8 DeepSeek-V3 and Kimi-K2 checkpoints store
+    block-scaled FP8 tensors (``weight_scale_inv``) that must be dequantized first."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", "?")
+        raise ValueError(
+            f"checkpoint {str(folder)!r} is quantized (config.quantization_config, quant_method={method!r}); moetune "
+            "loads bf16 / fp32 weights: dequantize it first (e.g. DeepSeek's fp8_cast_bf16.py, or Transformers' "
+            "from_pretrained + save_pretrained in bf16)"
+        )
 
 
 def _with_lora(model, options: MoetuneOptions):

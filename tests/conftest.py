@@ -90,3 +90,15 @@ def reference_qwen3_moe():
         return model
 
     return build
+
+
+def parity_batch(vocab: int, *, padded: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids, attention mask, labels) of 2 x 12 tokens; ``padded`` left-pads row 1, as generate() does."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (2, 12), generator=gen)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    if padded:
+        mask[1, :4] = 0
+        labels[1, :4] = -100
+    return ids, mask, labels

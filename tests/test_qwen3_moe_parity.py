@@ -9,7 +9,7 @@ import transformers
 
 import moetune
 from moetune.models.qwen3_moe.model import Qwen3MoeForCausalLM
-from tests.conftest import rel_err, save_per_expert_checkpoint
+from tests.conftest import parity_batch, rel_err, save_per_expert_checkpoint
 
 TOL = 1e-5
 CONFIGS = {
@@ -17,17 +17,6 @@ CONFIGS = {
     "no-renorm": {"norm_topk_prob": False, "mlp_only_layers": []},
     "sparse-step-2-tied": {"decoder_sparse_step": 2, "mlp_only_layers": [], "tie_word_embeddings": True},
 }
-
-
-def _batch(vocab: int, *, padded: bool):
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (2, 12), generator=gen)
-    mask = torch.ones_like(ids)
-    labels = ids.clone()
-    if padded:  # left padding in row 1, as generate() does
-        mask[1, :4] = 0
-        labels[1, :4] = -100
-    return ids, mask, labels
 
 
 def _save(ref, tmp_path, layout: str):
@@ -48,7 +37,7 @@ def test_unmasked_training_batches_take_the_plain_causal_path(reference_qwen3_mo
     ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path, "fused"))
     ref.train()
     ours.train()
-    ids, _, labels = _batch(ref.config.vocab_size, padded=False)
+    ids, _, labels = parity_batch(ref.config.vocab_size, padded=False)
     expected = ref(input_ids=ids, labels=labels)
     expected.loss.backward()
 
@@ -81,7 +70,7 @@ def test_forward_backward_parity(reference_qwen3_moe, tmp_path, name, layout, pa
     assert ours.dtype == torch.float32
     ref.train()
     ours.train()
-    ids, mask, labels = _batch(ref.config.vocab_size, padded=padded)
+    ids, mask, labels = parity_batch(ref.config.vocab_size, padded=padded)
 
     expected = ref(input_ids=ids, attention_mask=mask, labels=labels)
     got = ours(input_ids=ids, attention_mask=mask, labels=labels, return_logits=True)
@@ -106,7 +95,7 @@ def test_greedy_generation_matches(reference_qwen3_moe, tmp_path):
     # logits are not requested here (moetune handles that case; see test_aux_loss_under_generate).
     ref = reference_qwen3_moe(output_router_logits=False).eval()
     ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path, "per-expert"))
-    ids, mask, _ = _batch(ref.config.vocab_size, padded=True)
+    ids, mask, _ = parity_batch(ref.config.vocab_size, padded=True)
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     torch.testing.assert_close(
         ours.generate(input_ids=ids, attention_mask=mask, **kwargs),
@@ -132,7 +121,7 @@ def test_moetune_save_loads_in_plain_transformers(reference_qwen3_moe, tmp_path,
     assert ("model.layers.0.mlp.experts.gate_up_proj" in keys) == (not save_original_format)
     plain = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(plain) is transformers.Qwen3MoeForCausalLM
-    ids, mask, _ = _batch(ref.config.vocab_size, padded=False)
+    ids, mask, _ = parity_batch(ref.config.vocab_size, padded=False)
     torch.testing.assert_close(plain(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
 
 
@@ -170,6 +159,6 @@ def test_balanced_gate_routes_evenly(reference_qwen3_moe, tmp_path):
 
 def test_aux_loss_under_generate(reference_qwen3_moe, tmp_path):
     ours = moetune.AutoModelForCausalLM.from_pretrained(_save(reference_qwen3_moe(), tmp_path, "fused"))
-    ids, mask, _ = _batch(ours.config.vocab_size, padded=True)
+    ids, mask, _ = parity_batch(ours.config.vocab_size, padded=True)
     out = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 15)

@@ -23,7 +23,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 
 from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout, save_hf_checkpoint
 from moetune.layers import linear_cross_entropy, shift_labels_for_causal_lm
-from moetune.moe import GroupedExperts, SoftmaxTopKRouter, capture_router_logits, load_balancing_loss
+from moetune.moe import ROUTERS, GroupedExperts, GroupLimitedSigmoidRouter, capture_router_logits, load_balancing_loss
 
 try:  # Transformers >= 5.0 records which tensors were initialised, so loading can skip them.
     from transformers import initialization as hf_init
@@ -32,7 +32,6 @@ except ImportError:  # pragma: no cover
 
 # Transformers 5.24 renamed the cache field of model outputs from `past_key_values` to `cache`.
 _CACHE_FIELD = "cache" if "cache" in MoeCausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-ROUTER_TYPES: tuple[type[torch.nn.Module], ...] = (SoftmaxTopKRouter,)
 
 
 class MoetuneInitMixin:
@@ -44,8 +43,10 @@ class MoetuneInitMixin:
         if isinstance(module, GroupedExperts):
             hf_init.normal_(module.in_proj, mean=0.0, std=std)
             hf_init.normal_(module.down_proj, mean=0.0, std=std)
-        elif isinstance(module, ROUTER_TYPES):
+        elif isinstance(module, ROUTERS):
             hf_init.normal_(module.weight, mean=0.0, std=std)
+            if isinstance(module, GroupLimitedSigmoidRouter):
+                hf_init.zeros_(module.e_score_correction_bias)
 
 
 # Attention implementations for which "no mask" means causal attention (SDPA's is_causal).
@@ -71,7 +72,7 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
             output_router_logits = bool(getattr(self.config, "output_router_logits", False))
         if not output_router_logits:
             return self._backbone_forward(*args, **kwargs)
-        with capture_router_logits(self, ROUTER_TYPES) as router_logits:
+        with capture_router_logits(self, ROUTERS) as router_logits:
             outputs = self._backbone_forward(*args, **kwargs)
         outputs.router_logits = tuple(router_logits)
         return outputs
@@ -118,6 +119,10 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
 
     return_logits_in_training: bool = False
     checkpoint_layout: CheckpointLayout = SWIGLU_EXPERTS
+    computes_aux_loss: bool = True
+    """Whether the loss adds ``router_aux_loss_coef`` x the load-balancing loss when router logits
+    are requested (Transformers' Mixtral-style models); DeepSeek-V3 has none (its routers balance
+    through the score-correction bias)."""
 
     def save_pretrained(
         self,
@@ -200,7 +205,7 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
                 )
 
         aux_loss = None
-        if output_router_logits and router_logits:
+        if self.computes_aux_loss and output_router_logits and router_logits:
             token_mask = None
             if attention_mask is not None and attention_mask.dim() == 2:
                 # With a KV cache the mask covers past tokens too; the routers saw only the new ones.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from moetune.moe import GroupedExperts, SoftmaxTopKRouter
+from moetune.moe import ROUTERS, GroupedExperts
 
 EXPERTS_BACKENDS = ("auto", "grouped_mm", "loop")
 
@@ -15,7 +15,7 @@ def set_moe_options(model: nn.Module, *, balanced_gate: bool | None = None, expe
     if experts_backend is not None and experts_backend not in EXPERTS_BACKENDS:
         raise ValueError(f"experts_backend must be one of {EXPERTS_BACKENDS}, got {experts_backend!r}")
     for module in model.modules():
-        if balanced_gate is not None and isinstance(module, SoftmaxTopKRouter):
+        if balanced_gate is not None and isinstance(module, ROUTERS):
             module.balanced = balanced_gate
         if experts_backend is not None and isinstance(module, GroupedExperts):
             module.backend = experts_backend

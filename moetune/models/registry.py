@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig, PreTrainedModel
 
+from moetune.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from moetune.models.qwen3_moe.model import Qwen3MoeForCausalLM
 
 
@@ -17,7 +18,11 @@ class ModelFamily:
 
 
 FAMILIES: dict[str, ModelFamily] = {
-    family.model_type: family for family in (ModelFamily("qwen3_moe", Qwen3MoeForCausalLM),)
+    family.model_type: family
+    for family in (
+        ModelFamily("qwen3_moe", Qwen3MoeForCausalLM),
+        ModelFamily("deepseek_v3", DeepseekV3ForCausalLM),  # Kimi-K2 is this architecture (as a DeepseekV3Config)
+    )
 }
 
 

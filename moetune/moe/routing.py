@@ -19,7 +19,7 @@ class Routing:
     logits_TE: torch.Tensor
     """Raw router logits (model dtype); the aux loss and expert-load metrics read them."""
     weights_TK: torch.Tensor
-    """Combine weight of each selected expert, in the model dtype."""
+    """Combine weight of each selected expert (model dtype, or fp32 for routers that route in fp32)."""
     experts_TK: torch.Tensor
     """Index (int64) of each selected expert."""
 
@@ -69,3 +69,76 @@ class SoftmaxTopKRouter(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize_top_k}, balanced={self.balanced}"
+
+
+class GroupLimitedSigmoidRouter(nn.Module):
+    """DeepSeek-V3 / Kimi-K2 router: sigmoid scores, experts chosen within the ``topk_group`` best
+    of ``n_group`` expert groups (a group scores the sum of its two best experts) using the scores
+    plus a load-balancing bias (``e_score_correction_bias``, updated outside backprop), weights from
+    the unbiased scores, optionally renormalised, times ``routed_scaling_factor``.
+
+    Numerically identical to Transformers' ``DeepseekV3TopkRouter`` + ``route_tokens_to_experts``;
+    the weight and the bias stay fp32 (Transformers keeps them fp32 in bf16 models) and the
+    routing runs in fp32.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_experts: int,
+        top_k: int,
+        num_groups: int,
+        top_k_groups: int,
+        normalize_top_k: bool,
+        scaling_factor: float,
+        balanced: bool = False,
+    ) -> None:
+        super().__init__()
+        if num_experts % num_groups or not 0 < top_k_groups <= num_groups:
+            raise ValueError(
+                f"n_group={num_groups} must divide n_routed_experts={num_experts} and topk_group={top_k_groups} "
+                f"must be in [1, n_group]"
+            )
+        if not 0 < top_k <= num_experts // num_groups * top_k_groups:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, experts in topk_group groups]")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.num_groups = num_groups
+        self.top_k_groups = top_k_groups
+        self.normalize_top_k = normalize_top_k
+        self.scaling_factor = scaling_factor
+        self.balanced = balanced
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def forward(self, x_TH: torch.Tensor) -> Routing:
+        logits_TE = F.linear(x_TH.float(), self.weight.float())
+        if self.balanced:
+            weights_TK, experts_TK = balanced_assignment(
+                x_TH.shape[0], num_experts=self.num_experts, top_k=self.top_k, device=x_TH.device, dtype=logits_TE.dtype
+            )
+            return Routing(logits_TE, weights_TK, experts_TK)
+        scores_TE = logits_TE.sigmoid()
+        choice_TE = scores_TE + self.e_score_correction_bias
+        per_group = self.num_experts // self.num_groups
+        group_scores_TG = choice_TE.view(-1, self.num_groups, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        groups_TK = torch.topk(group_scores_TG, k=self.top_k_groups, dim=-1, sorted=False)[1]
+        group_mask_TG = torch.zeros_like(group_scores_TG).scatter_(1, groups_TK, 1.0)
+        expert_mask_TE = group_mask_TG.unsqueeze(-1).expand(-1, self.num_groups, per_group).reshape(-1, self.num_experts)
+        choice_TE = choice_TE.masked_fill(~expert_mask_TE.bool(), float("-inf"))
+        experts_TK = torch.topk(choice_TE, k=self.top_k, dim=-1, sorted=False)[1]
+        weights_TK = scores_TE.gather(1, experts_TK)
+        if self.normalize_top_k:
+            weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        return Routing(logits_TE, weights_TK * self.scaling_factor, experts_TK)
+
+    def extra_repr(self) -> str:
+        return (
+            f"experts={self.num_experts}, top_k={self.top_k}, groups={self.top_k_groups}/{self.num_groups}, "
+            f"normalize={self.normalize_top_k}, scale={self.scaling_factor}, balanced={self.balanced}"
+        )
+
+
+ROUTERS: tuple[type[nn.Module], ...] = (SoftmaxTopKRouter, GroupLimitedSigmoidRouter)
+"""Every router class (router-logit capture, weight init and the balanced gate look for these)."""

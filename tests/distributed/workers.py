@@ -95,7 +95,9 @@ def _step_pair(model, ref, opt, ref_opt, step: int, rank: int, world_size: int, 
     return got
 
 
-def train_parity(rank: int, world_size: int, folder: str, ep: int, out: str, check_save: bool = True) -> None:
+def train_parity(
+    rank: int, world_size: int, folder: str, ep: int, out: str, check_save: bool = True, expect_descent: bool = True
+) -> None:
     """``SGD_STEPS`` SGD steps (with clipping) and one AdamW step: losses, gradients and parameters
     equal the single-process run; an EP save equals the single-process save."""
     vocab = 64
@@ -131,7 +133,8 @@ def train_parity(rank: int, world_size: int, folder: str, ep: int, out: str, che
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=ADAM_LR, weight_decay=0.1, eps=ADAM_EPS)
     _step_pair(model, ref, opt, ref_opt, SGD_STEPS, rank, world_size, vocab, what=f"ep={ep} AdamW")
     _compare_params(model, ref, what=f"ep={ep} after AdamW")
-    assert losses[-1] < losses[0], f"ep={ep}: the loss does not go down: {losses}"
+    if expect_descent:  # a model that starts at the random-token entropy (ln vocab) cannot go lower
+        assert losses[-1] < losses[0], f"ep={ep}: the loss does not go down: {losses}"
 
 
 def _mesh(dp: int, ep: int):

@@ -1,0 +1,183 @@
+"""moetune's DeepSeek-V3 (Kimi-K2's architecture) equals Transformers' on tiny fp32 configs: logits,
+loss, gradients, generation, both checkpoint layouts; expert parallelism equals one process; plain
+Transformers loads what moetune saves; FP8 checkpoints are refused before loading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import moetune
+from moetune.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from moetune.moe import GroupLimitedSigmoidRouter
+from tests.conftest import parity_batch, rel_err, save_per_expert_checkpoint
+
+TOL = 1e-5
+CONFIGS = {
+    "q-lora-first-dense": {},
+    "no-renorm-q-direct": {"norm_topk_prob": False, "q_lora_rank": None},
+    "all-sparse-two-shared-tied": {"first_k_dense_replace": 0, "n_shared_experts": 2, "tie_word_embeddings": True},
+}
+
+
+def tiny_deepseek_v3_config(**overrides) -> transformers.DeepseekV3Config:
+    settings = dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+        topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        max_position_embeddings=64, tie_word_embeddings=False, rope_scaling=None,
+    )  # fmt: skip
+    settings.update(overrides)
+    return transformers.DeepseekV3Config(**settings)
+
+
+def reference(**overrides) -> transformers.DeepseekV3ForCausalLM:
+    """Random fp32 weights and a non-zero score-correction bias (so the group-limited choice uses it)."""
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**overrides)).float()
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
+    return model.train()
+
+
+def _save(ref, tmp_path, layout: str):
+    folder = tmp_path / layout
+    if layout == "per-expert":
+        return save_per_expert_checkpoint(ref, folder)
+    ref.save_pretrained(folder, save_original_format=False)
+    return folder
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_forward_backward_parity(tmp_path, name, layout, padded):
+    ref = reference(**CONFIGS[name])
+    ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path, layout))
+    assert isinstance(ours, DeepseekV3ForCausalLM) and isinstance(ours, transformers.DeepseekV3ForCausalLM)
+    assert any(isinstance(m, GroupLimitedSigmoidRouter) for m in ours.modules())
+    ours.train()
+    ids, mask, labels = parity_batch(ref.config.vocab_size, padded=padded)
+    attention_mask = mask if padded else None  # unpadded batches take moetune's plain causal path
+
+    expected = ref(input_ids=ids, attention_mask=attention_mask, labels=labels)
+    got = ours(input_ids=ids, attention_mask=attention_mask, labels=labels, return_logits=True)
+    keep = mask.bool()
+    assert rel_err(got.logits[keep], expected.logits[keep]) < TOL
+    assert rel_err(got.loss, expected.loss) < TOL
+    assert got.aux_loss is None  # DeepSeek-V3 balances through the router bias, as in Transformers
+
+    expected.loss.backward()
+    fused = ours(input_ids=ids, attention_mask=attention_mask, labels=labels)
+    assert fused.logits is None and rel_err(fused.loss, expected.loss) < TOL
+    fused.loss.backward()
+    ref_params = dict(ref.named_parameters())
+    for pname, param in ours.named_parameters():
+        assert param.grad is not None, pname
+        assert rel_err(param.grad, ref_params[pname].grad) < TOL, pname
+
+
+def test_router_logits_and_greedy_generation_match(tmp_path):
+    ref = reference()
+    ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path, "per-expert")).eval()
+    ref.eval()
+    ids = parity_batch(ref.config.vocab_size, padded=False)[0][:1, :5]
+    expected = []  # Transformers' routers' logits (its outputs carry them only from 5.2x on)
+    hooks = [
+        module.register_forward_hook(lambda _m, _i, out: expected.append(out[0] if isinstance(out, tuple) else out))
+        for name, module in ref.named_modules() if name.endswith("mlp.gate")
+    ]  # fmt: skip
+    ref(input_ids=ids)
+    for hook in hooks:
+        hook.remove()
+    got = ours(input_ids=ids, output_router_logits=True).router_logits
+    assert len(got) == len(expected) == 2  # the first layer is dense
+    for a, b in zip(got, expected):
+        assert rel_err(a, b.reshape(a.shape)) < TOL
+    settings = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(ours.generate(ids, **settings), ref.generate(ids, **settings))
+
+
+def test_moetune_save_loads_in_plain_transformers(tmp_path):
+    ref = reference()
+    ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path, "fused"))
+    ours.save_pretrained(tmp_path / "saved")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").float().eval()
+    ids = parity_batch(ref.config.vocab_size, padded=False)[0]
+    assert rel_err(reloaded(input_ids=ids).logits, ref.eval()(input_ids=ids).logits) < TOL
+
+
+def test_bf16_keeps_the_router_in_fp32_and_balanced_gate_works():
+    model = moetune.AutoModelForCausalLM.from_config(tiny_deepseek_v3_config(), dtype=torch.bfloat16, balanced_gate=True)
+    router = model.model.layers[1].mlp.gate
+    assert router.weight.dtype == torch.float32 and router.e_score_correction_bias.dtype == torch.float32
+    assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+    routing = router(torch.randn(6, 32, dtype=torch.bfloat16))
+    assert routing.experts_TK.flatten().tolist() == [j % 8 for j in range(12)]
+
+
+def test_multi_token_prediction_layer_is_ignored(tmp_path):
+    """Hub checkpoints keep the MTP module as model.layers.61; Transformers ignores it, so does moetune."""
+    folder = _save(reference(), tmp_path, "per-expert")
+    save_file({"model.layers.61.eh_proj.weight": torch.zeros(4, 4)}, folder / "mtp.safetensors")
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in load_file(folder / "model.safetensors")}}
+    index["weight_map"]["model.layers.61.eh_proj.weight"] = "mtp.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert isinstance(moetune.AutoModelForCausalLM.from_pretrained(folder), DeepseekV3ForCausalLM)
+
+
+def test_fp8_checkpoints_are_refused_before_loading(tmp_path):
+    folder = _save(reference(), tmp_path, "per-expert")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method='fp8'.*dequantize it first"):
+        moetune.AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_bad_group_settings_name_the_fields():
+    with pytest.raises(ValueError, match="n_group=3 must divide n_routed_experts=8"):
+        moetune.AutoModelForCausalLM.from_config(tiny_deepseek_v3_config(n_group=3, topk_group=1))
+
+
+@pytest.mark.distributed
+def test_expert_parallel_two_processes_equal_one_process(tmp_path):
+    """ep=2 under gloo: SGD steps with clipping and an AdamW step equal one process; the gathered
+    save equals the single-process save (tests/distributed/workers.py:train_parity)."""
+    from tests.distributed import workers
+    from tests.distributed.helpers import spawn
+
+    folder = save_per_expert_checkpoint(reference(vocab_size=64), tmp_path / "ckpt")
+    # This model's first loss is already ln(64), the entropy of the random tokens the steps train
+    # on, so only the parity is checked, not that the loss goes down.
+    spawn(workers.train_parity, 2, str(folder), 2, str(tmp_path / "out"), True, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path):
+    """bf16 on CUDA (grouped GEMM experts, fused kernels, fp32 router): loss and gradients within
+    the brief's 1e-2 of Transformers in fp32 holding the same weights, and no further than
+    Transformers' own bf16 model."""
+    folder = _save(reference(hidden_size=64, moe_intermediate_size=32, intermediate_size=96), tmp_path, "per-expert")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().train()
+    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().train()
+    ours = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda").train()
+    ids = parity_batch(ref.config.vocab_size, padded=False)[0].cuda()
+    losses = {}
+    for name, model in (("ref", ref), ("hf", hf_bf16), ("ours", ours)):
+        losses[name] = model(input_ids=ids, labels=ids).loss
+        losses[name].backward()
+    ref_params = dict(ref.named_parameters())
+    hf_params = dict(hf_bf16.named_parameters())
+    assert rel_err(losses["ours"].float(), losses["ref"]) < 1e-2
+    for pname, param in ours.named_parameters():
+        err = rel_err(param.grad.float(), ref_params[pname].grad)
+        assert err < max(1e-2, 2 * rel_err(hf_params[pname].grad.float(), ref_params[pname].grad)), pname
