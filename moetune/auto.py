@@ -37,7 +37,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             _check_fallback_options(config, options)
             _prefer_moetune_experts(config, kwargs)
             return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
-        kwargs.setdefault("attn_implementation", "sdpa")
+        kwargs.setdefault("attn_implementation", family.default_attention)
         if options.distributed:
             from moetune.distributed import parallelize_for_options
 
@@ -59,7 +59,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         dtype = kwargs.pop("dtype", None)
         torch_dtype = kwargs.pop("torch_dtype", None)
         dtype = dtype if dtype is not None else torch_dtype
-        attn_implementation = kwargs.pop("attn_implementation", None) or "sdpa"
+        attn_implementation = kwargs.pop("attn_implementation", None)
         device_map = kwargs.pop("device_map", None)
         generation_config = kwargs.pop("generation_config", None)
         for name in IGNORED_LOADING_KWARGS:
@@ -84,6 +84,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         if model_args:
             raise TypeError(f"{family.causal_lm.__name__} takes no positional model arguments, got {model_args!r}")
         _refuse_quantized(config, folder)
+        attn_implementation = attn_implementation or family.default_attention
 
         tensors = list_checkpoint_tensors(folder)
         dtype = resolve_dtype(dtype, config, tensors)

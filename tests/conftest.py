@@ -102,3 +102,36 @@ def parity_batch(vocab: int, *, padded: bool) -> tuple[torch.Tensor, torch.Tenso
         mask[1, :4] = 0
         labels[1, :4] = -100
     return ids, mask, labels
+
+
+def check_bf16_cuda_training_parity(folder, vocab: int) -> None:
+    """moetune in bf16 on CUDA against Transformers in fp32 holding the same weights: the loss within
+    1e-2 and each gradient within 1e-2, or no further than Transformers' own bf16 model's."""
+    import moetune
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().train()
+    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().train()
+    ours = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda").train()
+    ids = parity_batch(vocab, padded=False)[0].cuda()
+    losses = {}
+    for name, model in (("ref", ref), ("hf", hf_bf16), ("ours", ours)):
+        losses[name] = model(input_ids=ids, labels=ids).loss
+        losses[name].backward()
+    ref_params, hf_params = dict(ref.named_parameters()), dict(hf_bf16.named_parameters())
+    assert rel_err(losses["ours"].float(), losses["ref"]) < 1e-2
+    for name, param in ours.named_parameters():
+        err = rel_err(param.grad.float(), ref_params[name].grad)
+        assert err < max(1e-2, 2 * rel_err(hf_params[name].grad.float(), ref_params[name].grad)), name
+
+
+def check_fused_loss_and_gradients(ours, ref, expected_loss, tol: float = 1e-5, **inputs) -> None:
+    """Backward through Transformers' ``expected_loss``, then moetune's training forward on ``inputs``
+    (fused LM-head loss: no logits) must give the same loss and every parameter the same gradient."""
+    expected_loss.backward()
+    fused = ours(**inputs)
+    assert fused.logits is None and rel_err(fused.loss, expected_loss) < tol
+    fused.loss.backward()
+    ref_params = dict(ref.named_parameters())
+    for name, param in ours.named_parameters():
+        assert param.grad is not None, name
+        assert rel_err(param.grad, ref_params[name].grad) < tol, name

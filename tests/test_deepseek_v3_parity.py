@@ -14,7 +14,13 @@ from safetensors.torch import load_file, save_file
 import moetune
 from moetune.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from moetune.moe import GroupLimitedSigmoidRouter
-from tests.conftest import parity_batch, rel_err, save_per_expert_checkpoint
+from tests.conftest import (
+    check_bf16_cuda_training_parity,
+    check_fused_loss_and_gradients,
+    parity_batch,
+    rel_err,
+    save_per_expert_checkpoint,
+)
 
 TOL = 1e-5
 CONFIGS = {
@@ -74,14 +80,7 @@ def test_forward_backward_parity(tmp_path, name, layout, padded):
     assert rel_err(got.loss, expected.loss) < TOL
     assert got.aux_loss is None  # DeepSeek-V3 balances through the router bias, as in Transformers
 
-    expected.loss.backward()
-    fused = ours(input_ids=ids, attention_mask=attention_mask, labels=labels)
-    assert fused.logits is None and rel_err(fused.loss, expected.loss) < TOL
-    fused.loss.backward()
-    ref_params = dict(ref.named_parameters())
-    for pname, param in ours.named_parameters():
-        assert param.grad is not None, pname
-        assert rel_err(param.grad, ref_params[pname].grad) < TOL, pname
+    check_fused_loss_and_gradients(ours, ref, expected.loss, input_ids=ids, attention_mask=attention_mask, labels=labels)
 
 
 def test_router_logits_and_greedy_generation_match(tmp_path):
@@ -167,17 +166,4 @@ def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path):
     the brief's 1e-2 of Transformers in fp32 holding the same weights, and no further than
     Transformers' own bf16 model."""
     folder = _save(reference(hidden_size=64, moe_intermediate_size=32, intermediate_size=96), tmp_path, "per-expert")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().train()
-    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().train()
-    ours = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, device_map="cuda").train()
-    ids = parity_batch(ref.config.vocab_size, padded=False)[0].cuda()
-    losses = {}
-    for name, model in (("ref", ref), ("hf", hf_bf16), ("ours", ours)):
-        losses[name] = model(input_ids=ids, labels=ids).loss
-        losses[name].backward()
-    ref_params = dict(ref.named_parameters())
-    hf_params = dict(hf_bf16.named_parameters())
-    assert rel_err(losses["ours"].float(), losses["ref"]) < 1e-2
-    for pname, param in ours.named_parameters():
-        err = rel_err(param.grad.float(), ref_params[pname].grad)
-        assert err < max(1e-2, 2 * rel_err(hf_params[pname].grad.float(), ref_params[pname].grad)), pname
+    check_bf16_cuda_training_parity(folder, vocab=96)

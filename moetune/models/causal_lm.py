@@ -23,7 +23,14 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 
 from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout, save_hf_checkpoint
 from moetune.layers import linear_cross_entropy, shift_labels_for_causal_lm
-from moetune.moe import ROUTERS, GroupedExperts, GroupLimitedSigmoidRouter, capture_router_logits, load_balancing_loss
+from moetune.moe import (
+    ROUTERS,
+    GroupedExperts,
+    GroupLimitedSigmoidRouter,
+    TopKThenSoftmaxRouter,
+    capture_router_logits,
+    load_balancing_loss,
+)
 
 try:  # Transformers >= 5.0 records which tensors were initialised, so loading can skip them.
     from transformers import initialization as hf_init
@@ -43,10 +50,15 @@ class MoetuneInitMixin:
         if isinstance(module, GroupedExperts):
             hf_init.normal_(module.in_proj, mean=0.0, std=std)
             hf_init.normal_(module.down_proj, mean=0.0, std=std)
+            if module.has_bias:
+                hf_init.zeros_(getattr(module, f"{module._in_name}_bias"))
+                hf_init.zeros_(module.down_proj_bias)
         elif isinstance(module, ROUTERS):
             hf_init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, GroupLimitedSigmoidRouter):
                 hf_init.zeros_(module.e_score_correction_bias)
+            elif isinstance(module, TopKThenSoftmaxRouter):
+                hf_init.normal_(module.bias, mean=0.0, std=std)
 
 
 # Attention implementations for which "no mask" means causal attention (SDPA's is_causal).

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig, PreTrainedModel
 
 from moetune.models.deepseek_v3.model import DeepseekV3ForCausalLM
+from moetune.models.gpt_oss.model import GptOssForCausalLM
 from moetune.models.qwen3_moe.model import Qwen3MoeForCausalLM
 
 
@@ -15,6 +16,8 @@ class ModelFamily:
     model_type: str
     causal_lm: type[PreTrainedModel]
     is_moe: bool = True
+    default_attention: str = "sdpa"
+    """``attn_implementation`` when the caller names none (Transformers' GPT-OSS has no SDPA path)."""
 
 
 FAMILIES: dict[str, ModelFamily] = {
@@ -22,6 +25,7 @@ FAMILIES: dict[str, ModelFamily] = {
     for family in (
         ModelFamily("qwen3_moe", Qwen3MoeForCausalLM),
         ModelFamily("deepseek_v3", DeepseekV3ForCausalLM),  # Kimi-K2 is this architecture (as a DeepseekV3Config)
+        ModelFamily("gpt_oss", GptOssForCausalLM, default_attention="eager"),
     )
 }
 

@@ -4,7 +4,14 @@ from moetune.moe.aux_loss import capture_router_logits, load_balancing_loss
 from moetune.moe.dispatch import LocalTokenDispatcher, TokenDispatcher, permute, tokens_per_expert, unpermute
 from moetune.moe.experts import GroupedExperts
 from moetune.moe.layer import MoEBlock
-from moetune.moe.routing import ROUTERS, GroupLimitedSigmoidRouter, Routing, SoftmaxTopKRouter, balanced_assignment
+from moetune.moe.routing import (
+    ROUTERS,
+    GroupLimitedSigmoidRouter,
+    Routing,
+    SoftmaxTopKRouter,
+    TopKThenSoftmaxRouter,
+    balanced_assignment,
+)
 
 __all__ = [
     "GroupedExperts",
@@ -14,6 +21,7 @@ __all__ = [
     "SoftmaxTopKRouter",
     "ROUTERS",
     "GroupLimitedSigmoidRouter",
+    "TopKThenSoftmaxRouter",
     "TokenDispatcher",
     "balanced_assignment",
     "capture_router_logits",

@@ -42,7 +42,10 @@ class GroupedExperts(nn.Module):
     """E experts; gated (SwiGLU-style, ``gate_up_proj`` [E, 2I, H]) or plain (``up_proj`` [E, I, H]).
 
     Parameter names and layouts are Transformers v5's fused layout, so state dicts, PEFT targets
-    and user code that reads ``mlp.experts.gate_up_proj`` keep working.
+    and user code that reads ``mlp.experts.gate_up_proj`` keep working. ``transposed`` stores the
+    weights [E, in, out] and ``bias`` adds ``<weight>_bias`` [E, out] (GPT-OSS's layout, with
+    ``activation="clamped_swiglu"``: gate and up interleaved, clamped at ``swiglu_limit``,
+    ``(up + 1) * gate * sigmoid(swiglu_alpha * gate)``).
     """
 
     def __init__(
@@ -54,44 +57,69 @@ class GroupedExperts(nn.Module):
         activation: str = "silu",
         gated: bool = True,
         backend: str = "auto",
+        transposed: bool = False,
+        bias: bool = False,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
     ) -> None:
         super().__init__()
         if backend not in ("auto", "grouped_mm", "loop"):
             raise ValueError(f"experts backend must be 'auto', 'grouped_mm' or 'loop', got {backend!r}")
+        if activation == "clamped_swiglu" and not gated:
+            raise ValueError("activation 'clamped_swiglu' needs gated experts")
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.activation = activation
         self.gated = gated
         self.backend = backend
-        self._act = _activation(activation)
+        self.is_transposed = transposed  # Transformers' and PEFT's name for the [E, in, out] layout
+        self.has_bias = bias
+        self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
+        self._act = None if activation == "clamped_swiglu" else _activation(activation)
         in_width = 2 * intermediate_size if gated else intermediate_size
-        name = "gate_up_proj" if gated else "up_proj"
-        self.register_parameter(name, nn.Parameter(torch.empty(num_experts, in_width, hidden_size)))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self._in_name = "gate_up_proj" if gated else "up_proj"
+        for name, out_dim, in_dim in ((self._in_name, in_width, hidden_size), ("down_proj", hidden_size, intermediate_size)):
+            shape = (num_experts, in_dim, out_dim) if transposed else (num_experts, out_dim, in_dim)
+            self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+            if bias:
+                self.register_parameter(f"{name}_bias", nn.Parameter(torch.empty(num_experts, out_dim)))
 
     @property
     def in_proj(self) -> torch.Tensor:
-        return self.gate_up_proj if self.gated else self.up_proj
+        return getattr(self, self._in_name)
 
     def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+        in_proj, down_proj = _local(self.in_proj), _local(self.down_proj)
+        if self.is_transposed:  # views in the [E, out, in] layout run_experts takes
+            in_proj, down_proj = in_proj.transpose(-2, -1), down_proj.transpose(-2, -1)
+        biases = {}
+        if self.has_bias:
+            biases = {"in_bias": _local(getattr(self, f"{self._in_name}_bias")), "down_bias": _local(self.down_proj_bias)}
         return run_experts(
-            x_NH,
-            tokens_per_expert_E,
-            _local(self.in_proj),
-            _local(self.down_proj),
-            activate=self._activate,
-            backend=self.backend,
+            x_NH, tokens_per_expert_E, in_proj, down_proj, activate=self._activate, backend=self.backend, **biases
         )
 
     def _activate(self, h_NX: torch.Tensor) -> torch.Tensor:
+        if self.activation == "clamped_swiglu":
+            return clamped_swiglu(h_NX, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
         return gated_activation(h_NX, self._act, swiglu_kernel=self.activation == "silu") if self.gated else self._act(h_NX)
 
     def extra_repr(self) -> str:
+        layout = ", transposed" if self.is_transposed else ""
+        layout += ", bias" if self.has_bias else ""
         return (
             f"experts={self.num_experts}, hidden={self.hidden_size}, width={self.intermediate_size}, "
-            f"activation={self.activation}, gated={self.gated}, backend={self.backend}"
+            f"activation={self.activation}, gated={self.gated}{layout}, backend={self.backend}"
         )
+
+
+def clamped_swiglu(h_NX: torch.Tensor, *, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's gated activation on interleaved [gate0, up0, gate1, up1, ...] columns."""
+    gate, up = h_NX[..., ::2], h_NX[..., 1::2]
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def gated_activation(h_NX: torch.Tensor, act, *, swiglu_kernel: bool) -> torch.Tensor:
@@ -110,8 +138,11 @@ def run_experts(
     *,
     activate,
     backend: str = "auto",
+    in_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """down_e(activate(in_e(x))) for rows sorted by expert e; weights [E, out, in] (nn.Linear layout).
+    """down_e(activate(in_e(x))) for rows sorted by expert e; weights [E, out, in] (nn.Linear layout),
+    optional biases [E, out].
 
     Rows past ``tokens_per_expert_E.sum()`` are padding (capacity-padded expert parallelism): the
     grouped GEMM skips them (their output rows are undefined) and the loop gives them zeros.
@@ -119,12 +150,22 @@ def run_experts(
     if backend == "grouped_mm" or (backend == "auto" and grouped_mm_supported(x_NH)):
         # No host sync: the group boundaries stay on the device.
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
+        expert_N = None
+        if in_bias is not None or down_bias is not None:
+            rows = torch.arange(x_NH.shape[0], device=x_NH.device, dtype=torch.int32)
+            expert_N = torch.searchsorted(offsets_E, rows, right=True).clamp_(max=offsets_E.shape[0] - 1)
         h_NX = _grouped_mm(x_NH.to(in_proj.dtype), in_proj.transpose(-2, -1), offs=offsets_E)
-        return _grouped_mm(activate(h_NX), down_proj.transpose(-2, -1), offs=offsets_E)
+        h_NX = h_NX if in_bias is None else h_NX + in_bias.index_select(0, expert_N)
+        y_NH = _grouped_mm(activate(h_NX), down_proj.transpose(-2, -1), offs=offsets_E)
+        return y_NH if down_bias is None else y_NH + down_bias.index_select(0, expert_N)
     # One host sync for the split sizes; used on CPU and as the reference path.
     counts = tokens_per_expert_E.tolist()
     outputs = [
-        F.linear(activate(F.linear(rows_NH, in_proj[expert])), down_proj[expert])
+        F.linear(
+            activate(F.linear(rows_NH, in_proj[expert], None if in_bias is None else in_bias[expert])),
+            down_proj[expert],
+            None if down_bias is None else down_bias[expert],
+        )
         for expert, rows_NH in enumerate(torch.split(x_NH[: sum(counts)], counts))
         if rows_NH.shape[0] > 0
     ]
@@ -134,7 +175,8 @@ def run_experts(
         # graph, so every rank's backward has the same shape: FSDP2's post-backward hook on the input
         # fires and the all-to-all that delivered the rows runs its backward, as on the other ranks.
         zeros = padding_NH.new_zeros(padding_NH.shape[0], down_proj.shape[1])
-        outputs.append(zeros + 0 * (in_proj.sum() + down_proj.sum() + padding_NH.sum()))
+        weights = [t for t in (in_proj, down_proj, in_bias, down_bias) if t is not None]
+        outputs.append(zeros + 0 * (sum(t.sum() for t in weights) + padding_NH.sum()))
     return torch.cat(outputs)
 
 

@@ -15,7 +15,8 @@ from moetune.moe.dispatch import LocalTokenDispatcher, TokenDispatcher
 
 
 class MoEBlock(nn.Module):
-    """Sparse MoE block with Transformers' child names (``gate``, ``experts``, ``shared_experts``)."""
+    """Sparse MoE block with Transformers' child names (``gate``, ``experts``, ``shared_experts``;
+    the router is registered as ``router_name``, e.g. GPT-OSS's ``router``)."""
 
     def __init__(
         self,
@@ -24,9 +25,11 @@ class MoEBlock(nn.Module):
         experts: nn.Module,
         num_experts: int,
         shared_experts: nn.Module | None = None,
+        router_name: str = "gate",
     ) -> None:
         super().__init__()
-        self.gate = gate
+        self._router_name = router_name
+        self.register_module(router_name, gate)
         self.experts = experts
         if shared_experts is not None:
             self.shared_experts = shared_experts
@@ -35,7 +38,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, hidden_BSH: torch.Tensor) -> torch.Tensor:
         x_TH = hidden_BSH.reshape(-1, hidden_BSH.shape[-1])
-        routing = self.gate(x_TH)
+        routing = self._modules[self._router_name](x_TH)
         out_TH = self.dispatcher.run(x_TH, routing, self.experts, num_experts=self.num_experts).to(hidden_BSH.dtype)
         if getattr(self, "shared_experts", None) is not None:
             out_TH = out_TH + self.shared_experts(x_TH)

@@ -140,5 +140,34 @@ class GroupLimitedSigmoidRouter(nn.Module):
         )
 
 
-ROUTERS: tuple[type[nn.Module], ...] = (SoftmaxTopKRouter, GroupLimitedSigmoidRouter)
+class TopKThenSoftmaxRouter(nn.Module):
+    """GPT-OSS router: logits with a bias, the top-k logits, softmax over those k only (in the
+    logits' dtype). Numerically identical to Transformers' ``GptOssTopKRouter``; parameters
+    ``weight`` [E, H] and ``bias`` [E]."""
+
+    def __init__(self, *, hidden_size: int, num_experts: int, top_k: int, balanced: bool = False) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_local_experts={num_experts}]")
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.balanced = balanced
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(num_experts))
+
+    def forward(self, x_TH: torch.Tensor) -> Routing:
+        logits_TE = F.linear(x_TH, self.weight, self.bias)
+        if self.balanced:
+            weights_TK, experts_TK = balanced_assignment(
+                x_TH.shape[0], num_experts=self.num_experts, top_k=self.top_k, device=x_TH.device, dtype=logits_TE.dtype
+            )
+            return Routing(logits_TE, weights_TK, experts_TK)
+        top_logits_TK, experts_TK = torch.topk(logits_TE, self.top_k, dim=-1)
+        return Routing(logits_TE, torch.softmax(top_logits_TK, dim=-1, dtype=top_logits_TK.dtype), experts_TK)
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, top_k={self.top_k}, balanced={self.balanced}"
+
+
+ROUTERS: tuple[type[nn.Module], ...] = (SoftmaxTopKRouter, GroupLimitedSigmoidRouter, TopKThenSoftmaxRouter)
 """Every router class (router-logit capture, weight init and the balanced gate look for these)."""

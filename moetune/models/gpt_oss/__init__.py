@@ -1,0 +1,3 @@
+from moetune.models.gpt_oss.model import GptOssForCausalLM
+
+__all__ = ["GptOssForCausalLM"]

@@ -1,0 +1,93 @@
+"""GPT-OSS with moetune's MoE layer: the top-k-then-softmax router (with bias) -> dispatch ->
+grouped experts (Transformers' [E, in, out] layout with biases and the clamped, interleaved
+SwiGLU) -> combine.
+
+Subclasses Transformers' classes, so module paths and parameter names (``mlp.router.weight``,
+``mlp.experts.gate_up_proj``, ``mlp.experts.gate_up_proj_bias``, ...), the attention with sinks and
+alternating sliding windows, its fp32 RMSNorms, ``generate`` and the KV cache are Transformers'
+own; the sparse block is moetune's. The Hub stores the experts already fused, so loading needs no
+per-expert layout; its MXFP4 checkpoints must be dequantized to bf16 first (moetune refuses
+quantized checkpoints). Transformers supports only eager / flex / flash-kernel attention for
+GPT-OSS (the sinks), so moetune's default attention here is eager.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.gpt_oss import modeling_gpt_oss as hf
+
+from moetune.checkpoint import CheckpointLayout
+from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
+from moetune.moe import GroupedExperts, MoEBlock, TopKThenSoftmaxRouter
+
+
+class GptOssMoEBlock(MoEBlock):
+    """Returns ``(hidden_states, None)``: Transformers' GPT-OSS MLP returns (hidden, router scores)
+    and its decoder layer drops the second; moetune's routers report through ``router_logits``."""
+
+    def forward(self, hidden_BSH: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return super().forward(hidden_BSH), None
+
+
+def build_moe_block(config) -> GptOssMoEBlock:
+    return GptOssMoEBlock(
+        gate=TopKThenSoftmaxRouter(
+            hidden_size=config.hidden_size, num_experts=config.num_local_experts, top_k=config.num_experts_per_tok
+        ),
+        experts=GroupedExperts(
+            num_experts=config.num_local_experts,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            activation="clamped_swiglu",
+            transposed=True,
+            bias=True,
+            # Transformers < 5.2x hard-codes these (no config fields).
+            swiglu_alpha=getattr(config, "swiglu_alpha", 1.702),
+            swiglu_limit=getattr(config, "swiglu_limit", 7.0),
+        ),
+        num_experts=config.num_local_experts,
+        router_name="router",
+    )
+
+
+class GptOssDecoderLayer(hf.GptOssDecoderLayer):
+    def __init__(self, config, layer_idx: int) -> None:
+        GradientCheckpointingLayer.__init__(self)
+        self.hidden_size = config.hidden_size
+        self.self_attn = hf.GptOssAttention(config=config, layer_idx=layer_idx)
+        self.mlp = build_moe_block(config)
+        # GPT-OSS's norm multiplies by the weight before rounding (kept in fp32 in bf16 models):
+        # Transformers' own module, not moetune's Qwen3-semantics kernel.
+        self.input_layernorm = hf.GptOssRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = hf.GptOssRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class GptOssModel(MoetuneBaseModelMixin, hf.GptOssModel):
+    def __init__(self, config) -> None:
+        hf.GptOssPreTrainedModel.__init__(self, config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(GptOssDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = hf.GptOssRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = hf.GptOssRotaryEmbedding(config=config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+
+class GptOssForCausalLM(MoetuneCausalLMMixin, hf.GptOssForCausalLM):
+    """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable."""
+
+    checkpoint_layout = CheckpointLayout()  # experts are stored fused on the Hub
+
+    def __init__(self, config) -> None:
+        hf.GptOssPreTrainedModel.__init__(self, config)
+        self.model = GptOssModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.router_aux_loss_coef = config.router_aux_loss_coef
+        self.num_experts = config.num_local_experts
+        self.num_experts_per_tok = config.num_experts_per_tok
+        self.post_init()
