@@ -135,3 +135,54 @@ def check_fused_loss_and_gradients(ours, ref, expected_loss, tol: float = 1e-5, 
     for name, param in ours.named_parameters():
         assert param.grad is not None, name
         assert rel_err(param.grad, ref_params[name].grad) < tol, name
+
+
+def check_training_parity(ours, ref, *, padded: bool, tol: float = 1e-5) -> None:
+    """moetune's model in train mode against Transformers' on ``parity_batch``: logits (plain
+    forward, padded positions left out), loss and aux loss (both None or equal), then the fused
+    training loss and every gradient. Unpadded batches pass no mask (moetune's plain causal path)."""
+    ours.train()
+    ref.train()
+    ids, mask, labels = parity_batch(ref.config.vocab_size, padded=padded)
+    inputs = {"input_ids": ids, "attention_mask": mask if padded else None, "labels": labels}
+    expected = ref(**inputs)
+    got = ours(**inputs, return_logits=True)
+    keep = mask.bool()
+    assert rel_err(got.logits[keep], expected.logits[keep]) < tol
+    assert rel_err(got.loss, expected.loss) < tol
+    expected_aux = getattr(expected, "aux_loss", None)
+    assert (got.aux_loss is None) == (expected_aux is None)
+    if expected_aux is not None:
+        assert rel_err(got.aux_loss, expected_aux) < tol
+    check_fused_loss_and_gradients(ours, ref, expected.loss, tol, **inputs)
+
+
+def seeded_reference(model_cls, config, *, randomized_suffixes: tuple[str, ...] = ()) -> torch.nn.Module:
+    """Transformers' model with seed-0 weights in fp32, train mode; parameters and buffers whose
+    names end with one of ``randomized_suffixes`` (biases that initialise to zero) drawn N(0, 0.1)."""
+    torch.manual_seed(0)
+    model = model_cls(config).float()
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if randomized_suffixes and name.endswith(randomized_suffixes):
+                tensor.normal_(0.0, 0.1)
+    return model.train()
+
+
+def check_generation_and_reload(ours, ref, tmp_path) -> None:
+    """Greedy generation equals Transformers'; what moetune saves, plain Transformers loads back
+    with the same logits."""
+    ours.eval()
+    ref.eval()
+    ids = parity_batch(ref.config.vocab_size, padded=False)[0][:1, :5]
+    settings = {"max_new_tokens": 6, "do_sample": False}
+    assert torch.equal(ours.generate(ids, **settings), ref.generate(ids, **settings))
+    ours.save_pretrained(tmp_path / "saved")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").float().eval()
+    assert rel_err(reloaded(input_ids=ids).logits, ref(input_ids=ids).logits) < 1e-5
+
+
+def save_with_transformers(model: torch.nn.Module, tmp_path: Path) -> Path:
+    """``model.save_pretrained`` into ``tmp_path / "ckpt"`` (Transformers writes its Hub layout)."""
+    model.save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt"

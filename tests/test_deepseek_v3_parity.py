@@ -16,10 +16,12 @@ from moetune.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from moetune.moe import GroupLimitedSigmoidRouter
 from tests.conftest import (
     check_bf16_cuda_training_parity,
-    check_fused_loss_and_gradients,
+    check_generation_and_reload,
+    check_training_parity,
     parity_batch,
     rel_err,
     save_per_expert_checkpoint,
+    seeded_reference,
 )
 
 TOL = 1e-5
@@ -44,13 +46,9 @@ def tiny_deepseek_v3_config(**overrides) -> transformers.DeepseekV3Config:
 
 def reference(**overrides) -> transformers.DeepseekV3ForCausalLM:
     """Random fp32 weights and a non-zero score-correction bias (so the group-limited choice uses it)."""
-    torch.manual_seed(0)
-    model = transformers.DeepseekV3ForCausalLM(tiny_deepseek_v3_config(**overrides)).float()
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.1)
-    return model.train()
+    return seeded_reference(
+        transformers.DeepseekV3ForCausalLM, tiny_deepseek_v3_config(**overrides), randomized_suffixes=("e_score_correction_bias",)
+    )
 
 
 def _save(ref, tmp_path, layout: str):
@@ -69,21 +67,9 @@ def test_forward_backward_parity(tmp_path, name, layout, padded):
     ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path, layout))
     assert isinstance(ours, DeepseekV3ForCausalLM) and isinstance(ours, transformers.DeepseekV3ForCausalLM)
     assert any(isinstance(m, GroupLimitedSigmoidRouter) for m in ours.modules())
-    ours.train()
-    ids, mask, labels = parity_batch(ref.config.vocab_size, padded=padded)
-    attention_mask = mask if padded else None  # unpadded batches take moetune's plain causal path
+    check_training_parity(ours, ref, padded=padded)  # no aux loss on either side: the router bias balances
 
-    expected = ref(input_ids=ids, attention_mask=attention_mask, labels=labels)
-    got = ours(input_ids=ids, attention_mask=attention_mask, labels=labels, return_logits=True)
-    keep = mask.bool()
-    assert rel_err(got.logits[keep], expected.logits[keep]) < TOL
-    assert rel_err(got.loss, expected.loss) < TOL
-    assert got.aux_loss is None  # DeepSeek-V3 balances through the router bias, as in Transformers
-
-    check_fused_loss_and_gradients(ours, ref, expected.loss, input_ids=ids, attention_mask=attention_mask, labels=labels)
-
-
-def test_router_logits_and_greedy_generation_match(tmp_path):
+def test_router_logits_generation_and_plain_transformers_reload(tmp_path):
     ref = reference()
     ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path, "per-expert")).eval()
     ref.eval()
@@ -100,18 +86,7 @@ def test_router_logits_and_greedy_generation_match(tmp_path):
     assert len(got) == len(expected) == 2  # the first layer is dense
     for a, b in zip(got, expected):
         assert rel_err(a, b.reshape(a.shape)) < TOL
-    settings = dict(max_new_tokens=6, do_sample=False)
-    assert torch.equal(ours.generate(ids, **settings), ref.generate(ids, **settings))
-
-
-def test_moetune_save_loads_in_plain_transformers(tmp_path):
-    ref = reference()
-    ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path, "fused"))
-    ours.save_pretrained(tmp_path / "saved")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").float().eval()
-    ids = parity_batch(ref.config.vocab_size, padded=False)[0]
-    assert rel_err(reloaded(input_ids=ids).logits, ref.eval()(input_ids=ids).logits) < TOL
-
+    check_generation_and_reload(ours, ref, tmp_path)
 
 def test_bf16_keeps_the_router_in_fp32_and_balanced_gate_works():
     model = moetune.AutoModelForCausalLM.from_config(tiny_deepseek_v3_config(), dtype=torch.bfloat16, balanced_gate=True)

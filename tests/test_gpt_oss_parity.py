@@ -13,9 +13,11 @@ from moetune.models.gpt_oss.model import GptOssForCausalLM
 from moetune.moe import GroupedExperts, TopKThenSoftmaxRouter
 from tests.conftest import (
     check_bf16_cuda_training_parity,
-    check_fused_loss_and_gradients,
+    check_generation_and_reload,
+    check_training_parity,
     parity_batch,
-    rel_err,
+    save_with_transformers,
+    seeded_reference,
 )
 
 TOL = 1e-5
@@ -38,53 +40,27 @@ def tiny_gpt_oss_config(**overrides) -> transformers.GptOssConfig:
 
 def reference(**overrides) -> transformers.GptOssForCausalLM:
     """Random fp32 weights with non-zero expert and router biases."""
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(tiny_gpt_oss_config(**overrides)).float()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("_bias", "router.bias")):
-                param.normal_(0.0, 0.1)
-    return model.train()
-
-
-def _save(model, tmp_path):
-    model.save_pretrained(tmp_path / "ckpt")
-    return tmp_path / "ckpt"
+    return seeded_reference(
+        transformers.GptOssForCausalLM, tiny_gpt_oss_config(**overrides), randomized_suffixes=("_bias", "router.bias")
+    )
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("padded", [False, True])
 def test_forward_backward_parity(tmp_path, name, padded):
     ref = reference(**CONFIGS[name])
-    ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path))
+    ours = moetune.AutoModelForCausalLM.from_pretrained(save_with_transformers(ref, tmp_path))
     assert isinstance(ours, GptOssForCausalLM) and ours.config._attn_implementation == "eager"
     assert any(isinstance(m, TopKThenSoftmaxRouter) for m in ours.modules())
     experts = next(m for m in ours.modules() if isinstance(m, GroupedExperts))
     assert experts.is_transposed and experts.has_bias
-    ours.train()
-    ids, mask, labels = parity_batch(ref.config.vocab_size, padded=padded)
-    expected = ref(input_ids=ids, attention_mask=mask, labels=labels)
-    got = ours(input_ids=ids, attention_mask=mask, labels=labels, return_logits=True)
-    keep = mask.bool()
-    assert rel_err(got.logits[keep], expected.logits[keep]) < TOL
-    assert rel_err(got.loss, expected.loss) < TOL
-    assert rel_err(got.aux_loss, expected.aux_loss) < TOL
-
-    check_fused_loss_and_gradients(ours, ref, expected.loss, input_ids=ids, attention_mask=mask, labels=labels)
-
+    check_training_parity(ours, ref, padded=padded)
 
 def test_greedy_generation_and_plain_transformers_reload(tmp_path):
     # Without router logits: Transformers < 5.2x's own GPT-OSS generate fails computing the aux loss
     # against the growing KV-cache mask.
-    ref = reference(output_router_logits=False).eval()
-    ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path)).eval()
-    ids = parity_batch(ref.config.vocab_size, padded=False)[0][:1, :5]
-    settings = dict(max_new_tokens=6, do_sample=False)
-    assert torch.equal(ours.generate(ids, **settings), ref.generate(ids, **settings))
-    ours.save_pretrained(tmp_path / "saved")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").float().eval()
-    assert rel_err(reloaded(input_ids=ids).logits, ref(input_ids=ids).logits) < TOL
-
+    ref = reference(output_router_logits=False)
+    check_generation_and_reload(moetune.AutoModelForCausalLM.from_pretrained(save_with_transformers(ref, tmp_path)), ref, tmp_path)
 
 def test_from_config_follows_transformers_init_and_the_balanced_gate():
     model = moetune.AutoModelForCausalLM.from_config(tiny_gpt_oss_config(), balanced_gate=True)
@@ -100,7 +76,7 @@ def test_lora_on_transposed_experts_trains_only_the_adapters(tmp_path):
     from moetune.lora import LoraSettings
 
     ours = moetune.AutoModelForCausalLM.from_pretrained(
-        _save(reference(), tmp_path), lora=LoraSettings(rank=4, target_modules=["q_proj"], target_experts=True)
+        save_with_transformers(reference(), tmp_path), lora=LoraSettings(rank=4, target_modules=["q_proj"], target_experts=True)
     ).train()
     ids, _, labels = parity_batch(96, padded=False)
     ours(input_ids=ids, labels=labels).loss.backward()
@@ -118,7 +94,7 @@ def test_expert_parallel_two_processes_equal_one_process(tmp_path):
     from tests.distributed import workers
     from tests.distributed.helpers import spawn
 
-    folder = _save(reference(vocab_size=64, output_router_logits=False), tmp_path)
+    folder = save_with_transformers(reference(vocab_size=64, output_router_logits=False), tmp_path)
     spawn(workers.train_parity, 2, str(folder), 2, str(tmp_path / "out"))
 
 
@@ -127,5 +103,5 @@ def test_expert_parallel_two_processes_equal_one_process(tmp_path):
 def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path):
     """bf16 on CUDA (grouped GEMMs with per-expert biases): loss and gradients within 1e-2 of
     Transformers in fp32 holding the same weights, or no further than Transformers' bf16."""
-    folder = _save(reference(hidden_size=64, intermediate_size=32), tmp_path)
+    folder = save_with_transformers(reference(hidden_size=64, intermediate_size=32), tmp_path)
     check_bf16_cuda_training_parity(folder, vocab=96)

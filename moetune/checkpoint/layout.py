@@ -38,17 +38,28 @@ class CheckpointLayout:
     fused_experts: tuple[FusedExpertParam, ...] = ()
     experts_module: str = "mlp.experts"
     ignored_keys: tuple[str, ...] = (r".*rotary_emb\.inv_freq$",)
+    renamed_prefixes: tuple[tuple[str, str], ...] = ()
+    """(Hub prefix, model prefix) pairs, the first that matches applies: Nemotron-H's Hub files say
+    ``backbone.`` for ``model.``."""
+
+    def canonical(self, key: str) -> str:
+        """The checkpoint key under the model's names (prefix renames applied)."""
+        for old, new in self.renamed_prefixes:
+            if key.startswith(old):
+                return new + key[len(old) :]
+        return key
 
     def _per_expert_pattern(self) -> re.Pattern[str]:
         parts = "|".join(re.escape(p) for f in self.fused_experts for p in f.parts)
         return re.compile(rf"^(?P<prefix>.*\.{re.escape(self.experts_module)})\.(?P<expert>\d+)\.(?P<part>{parts})$")
 
     def is_ignored(self, key: str) -> bool:
-        return any(re.match(p, key) for p in self.ignored_keys)
+        return any(re.match(p, k) for p in self.ignored_keys for k in {key, self.canonical(key)})
 
     def region(self, key: str, param_shapes: dict[str, tuple[int, ...]]) -> Region | None:
         """The block checkpoint tensor ``key`` must fill (its expected shape is ``region.shape``
         without the leading expert dim for per-expert tensors), or None if no parameter takes it."""
+        key = self.canonical(key)
         if key in param_shapes:
             shape = param_shapes[key]
             return Region(key, (0,) * len(shape), shape)

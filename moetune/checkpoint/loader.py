@@ -59,13 +59,13 @@ def plan_checkpoint_load(
     unexpected, misshaped = [], []
     covered: dict[str, int] = defaultdict(int)
     for key, info in tensors.items():
-        if layout.is_ignored(key) or key in tied:
+        if layout.is_ignored(key) or layout.canonical(key) in tied:
             continue
         region = layout.region(key, shapes)
         if region is None:
             unexpected.append(key)
             continue
-        extra = 0 if region.param == key else 1  # per-expert tensors lack the leading expert dim
+        extra = 0 if region.param == layout.canonical(key) else 1  # per-expert tensors lack the leading expert dim
         if tuple(info.shape) != region.shape[extra:]:
             misshaped.append(f"{key} {list(info.shape)} (expected {list(region.shape[extra:])} for {region.param})")
             continue

@@ -136,6 +136,14 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
     are requested (Transformers' Mixtral-style models); DeepSeek-V3 has none (its routers balance
     through the score-correction bias)."""
 
+    def _init_decoder_lm(self, config, pretrained_cls: type, base_model_cls: type) -> None:
+        """Transformers' ``XForCausalLM.__init__`` up to ``post_init`` (left to the caller), with
+        moetune's base model ``base_model_cls`` under ``model``."""
+        pretrained_cls.__init__(self, config)
+        self.model = base_model_cls(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
     def save_pretrained(
         self,
         save_directory: str | os.PathLike,

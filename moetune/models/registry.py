@@ -8,6 +8,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from moetune.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from moetune.models.gpt_oss.model import GptOssForCausalLM
+from moetune.models.nemotron_h.model import NemotronHForCausalLM
 from moetune.models.qwen3_moe.model import Qwen3MoeForCausalLM
 
 
@@ -26,6 +27,7 @@ FAMILIES: dict[str, ModelFamily] = {
         ModelFamily("qwen3_moe", Qwen3MoeForCausalLM),
         ModelFamily("deepseek_v3", DeepseekV3ForCausalLM),  # Kimi-K2 is this architecture (as a DeepseekV3Config)
         ModelFamily("gpt_oss", GptOssForCausalLM, default_attention="eager"),
+        ModelFamily("nemotron_h", NemotronHForCausalLM),  # Nemotron 3 Nano
     )
 }
 

@@ -53,7 +53,7 @@ def _check_layout(model, world_size: int, ep: int) -> None:
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     assert blocks, "no MoE layers"
     for block in blocks:
-        weight = block.experts.gate_up_proj
+        weight = block.experts.in_proj
         assert isinstance(weight, DTensor)
         assert weight.to_local().shape[0] * (world_size // ep) * ep >= block.num_experts
         assert type(block.dispatcher).__name__ == ("ExpertParallelDispatcher" if ep > 1 else "LocalTokenDispatcher")

@@ -31,17 +31,22 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
     return layer_idx >= config.first_k_dense_replace
 
 
+def build_router(config) -> GroupLimitedSigmoidRouter:
+    """DeepSeek-V3's router from its config fields (Nemotron-H's config uses the same names)."""
+    return GroupLimitedSigmoidRouter(
+        hidden_size=config.hidden_size,
+        num_experts=config.n_routed_experts,
+        top_k=config.num_experts_per_tok,
+        num_groups=config.n_group,
+        top_k_groups=config.topk_group,
+        normalize_top_k=config.norm_topk_prob,
+        scaling_factor=config.routed_scaling_factor,
+    )
+
+
 def build_moe_block(config) -> MoEBlock:
     return MoEBlock(
-        gate=GroupLimitedSigmoidRouter(
-            hidden_size=config.hidden_size,
-            num_experts=config.n_routed_experts,
-            top_k=config.num_experts_per_tok,
-            num_groups=config.n_group,
-            top_k_groups=config.topk_group,
-            normalize_top_k=config.norm_topk_prob,
-            scaling_factor=config.routed_scaling_factor,
-        ),
+        gate=build_router(config),
         experts=GroupedExperts(
             num_experts=config.n_routed_experts,
             hidden_size=config.hidden_size,
@@ -83,8 +88,5 @@ class DeepseekV3ForCausalLM(MoetuneCausalLMMixin, hf.DeepseekV3ForCausalLM):
     computes_aux_loss = False
 
     def __init__(self, config) -> None:
-        hf.DeepseekV3PreTrainedModel.__init__(self, config)
-        self.model = DeepseekV3Model(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._init_decoder_lm(config, hf.DeepseekV3PreTrainedModel, DeepseekV3Model)
         self.post_init()

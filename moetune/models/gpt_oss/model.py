@@ -83,10 +83,7 @@ class GptOssForCausalLM(MoetuneCausalLMMixin, hf.GptOssForCausalLM):
     checkpoint_layout = CheckpointLayout()  # experts are stored fused on the Hub
 
     def __init__(self, config) -> None:
-        hf.GptOssPreTrainedModel.__init__(self, config)
-        self.model = GptOssModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._init_decoder_lm(config, hf.GptOssPreTrainedModel, GptOssModel)
         self.router_aux_loss_coef = config.router_aux_loss_coef
         self.num_experts = config.num_local_experts
         self.num_experts_per_tok = config.num_experts_per_tok

@@ -111,10 +111,7 @@ class Qwen3MoeForCausalLM(MoetuneCausalLMMixin, hf.Qwen3MoeForCausalLM):
     """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable."""
 
     def __init__(self, config) -> None:
-        hf.Qwen3MoePreTrainedModel.__init__(self, config)
-        self.model = Qwen3MoeModel(config)
-        self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._init_decoder_lm(config, hf.Qwen3MoePreTrainedModel, Qwen3MoeModel)
         self.router_aux_loss_coef = config.router_aux_loss_coef
         self.num_experts = config.num_experts
         self.num_experts_per_tok = config.num_experts_per_tok
