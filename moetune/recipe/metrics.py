@@ -19,11 +19,18 @@ from moetune.recipe.config import MetricsConfig
 
 
 def moe_layer_ids(model_config: PretrainedConfig) -> list[int]:
-    """Indices of the decoder layers with experts (Qwen3-MoE's rule: not in mlp_only_layers,
-    and every decoder_sparse_step-th layer)."""
+    """Indices of the decoder layers with experts: Nemotron-H's ``layers_block_type`` "moe" blocks,
+    DeepSeek-V3's layers from ``first_k_dense_replace`` on, else Qwen3-MoE's rule (not in
+    mlp_only_layers, every decoder_sparse_step-th layer; every layer for GPT-OSS / Mixtral)."""
     num_experts = getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", 0)
     if not num_experts:
         return []
+    block_types = getattr(model_config, "layers_block_type", None)
+    if block_types:
+        return [i for i, kind in enumerate(block_types) if kind == "moe"]
+    first_dense = getattr(model_config, "first_k_dense_replace", None)
+    if first_dense is not None:
+        return list(range(first_dense, model_config.num_hidden_layers))
     dense = set(getattr(model_config, "mlp_only_layers", None) or [])
     step = getattr(model_config, "decoder_sparse_step", 1) or 1
     return [i for i in range(model_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
@@ -65,7 +72,8 @@ class ExpertLoad:
         if not router_logits:
             return
         for layer, logits_TE in enumerate(router_logits):
-            # Softmax is monotonic, so top-k of the logits picks the same experts as top-k of the probs.
+            # Top-k of the logits: the routed experts of softmax routers (Qwen3-MoE, GPT-OSS); for
+            # DeepSeek-V3 / Nemotron-H, whose choice adds a bias and limits groups, an approximation.
             chosen = logits_TE[real_T.to(logits_TE.device)].topk(self.top_k, dim=-1).indices
             self.counts_LE[layer] += torch.bincount(chosen.flatten(), minlength=self.num_experts)
 

@@ -41,3 +41,10 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     lrs = [lr_at(s, config, total_steps=100) for s in range(101)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lrs[100] == pytest.approx(0.1)
+
+
+def test_moe_layer_ids_follow_each_family_rule():
+    from transformers import DeepseekV3Config, NemotronHConfig
+
+    assert moe_layer_ids(DeepseekV3Config(num_hidden_layers=5, first_k_dense_replace=2)) == [2, 3, 4]
+    assert moe_layer_ids(NemotronHConfig(num_hidden_layers=4, hybrid_override_pattern="ME*E")) == [1, 3]
