@@ -1,4 +1,4 @@
-"""Training metrics: FLOPs and MFU, expert load, and the sinks (progress bar, JSONL,
+"""Training metrics: FLOPs and MFU (``moetune.flops``), expert load, and the sinks (progress bar, JSONL,
 TensorBoard, Weights & Biases).
 
 Letters: T = tokens, E = experts, L = MoE layers.
@@ -34,27 +34,6 @@ def moe_layer_ids(model_config: PretrainedConfig) -> list[int]:
     dense = set(getattr(model_config, "mlp_only_layers", None) or [])
     step = getattr(model_config, "decoder_sparse_step", 1) or 1
     return [i for i in range(model_config.num_hidden_layers) if i not in dense and (i + 1) % step == 0]
-
-
-def training_flops_per_token(model_config: PretrainedConfig, *, seq_len: int) -> float:
-    """Megatron/NeMo convention (causal attention halved, router ignored, x3 for fwd + bwd):
-    3 * [sum over layers of (2H(q + 2kv + q) + 2 seq q + MLP) + 2HV], MLP = top_k * 3 * 2H I_moe
-    for MoE layers and 3 * 2H I_dense for dense ones."""
-    c = model_config
-    hidden = c.hidden_size
-    head_dim = getattr(c, "head_dim", None) or hidden // c.num_attention_heads
-    q = c.num_attention_heads * head_dim
-    kv = c.num_key_value_heads * head_dim
-    moe = set(moe_layer_ids(c))
-    total = 0.0
-    for layer in range(c.num_hidden_layers):
-        total += 2 * hidden * (q + 2 * kv + q) + 2 * seq_len * q
-        if layer in moe:
-            total += c.num_experts_per_tok * 3 * 2 * hidden * c.moe_intermediate_size
-        else:
-            total += 3 * 2 * hidden * c.intermediate_size
-    total += 2 * hidden * c.vocab_size
-    return 3.0 * total
 
 
 class ExpertLoad:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from moetune.flops import training_flops_per_token
 from moetune.recipe import checkpointing, evaluation, export, metrics, optim, plots
 from moetune.recipe.config import JobConfig
 from moetune.recipe.config_loading import save_config, to_dict
@@ -238,7 +239,7 @@ def held_out_accuracy(job: Job, config: JobConfig, sink: metrics.MetricsSink | m
 def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.NullSink, *, step: int,
                   losses: list[float]) -> tuple[int, bool]:
     """Steps from ``step`` to ``training.steps``; returns (last step, interrupted by Ctrl-C)."""
-    flops_per_token = metrics.training_flops_per_token(job.model_config, seq_len=config.data.max_length)
+    flops_per_token = training_flops_per_token(job.model_config, seq_len=config.data.max_length)
     aux_coef = float(getattr(job.model_config, "router_aux_loss_coef", 0.0) or 0.0) if job.expert_load else 0.0
     window: list[StepResult] = []
     window_start = time.perf_counter()

@@ -31,3 +31,22 @@ def test_dense_layers_use_the_dense_mlp_width():
     assert flops_per_token(config, seq_len=s) == expected
     config.decoder_sparse_step = 2  # layers 1 (index) only; 0 is listed, 2 is off-step
     assert flops_per_token(config, seq_len=s) == 3 * (3 * attention + 2 * dense + sparse + 2 * h * 512)
+
+
+def test_other_families_count_their_own_shapes():
+    """DeepSeek-V3: the routed experts count top-k times one expert; GPT-OSS: sliding-window layers
+    see about the window, not half the sequence."""
+    import transformers
+
+    from moetune.flops import training_flops_per_token
+
+    deepseek = transformers.DeepseekV3Config(num_hidden_layers=2, first_k_dense_replace=1)
+    top8 = training_flops_per_token(deepseek, seq_len=4096)
+    deepseek.num_experts_per_tok = 4
+    expert = 3 * 2 * 7168 * 2048  # gate, up and down of one expert, 2 FLOPs per weight
+    assert top8 - training_flops_per_token(deepseek, seq_len=4096) == 3 * 4 * expert
+    gpt_oss = transformers.GptOssConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    full = transformers.GptOssConfig(num_hidden_layers=2, layer_types=["full_attention", "full_attention"])
+    scores_per_full_layer = 2 * 2048 * 64 * (64 + 64)  # keys S/2, heads, qk + v dims
+    saved = training_flops_per_token(full, seq_len=4096) - training_flops_per_token(gpt_oss, seq_len=4096)
+    assert saved == pytest.approx(3 * (scores_per_full_layer - 2 * (128 - 128 * 127 / 8192) * 64 * 128))

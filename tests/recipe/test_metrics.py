@@ -7,7 +7,8 @@ import torch
 from transformers import Qwen3MoeConfig
 
 from moetune.recipe.config import OptimConfig
-from moetune.recipe.metrics import ExpertLoad, moe_layer_ids, training_flops_per_token
+from moetune.flops import training_flops_per_token
+from moetune.recipe.metrics import ExpertLoad, moe_layer_ids
 from moetune.recipe.optim import lr_at
 
 

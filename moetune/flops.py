@@ -1,0 +1,70 @@
+"""Training FLOPs per token by the brief's convention (Megatron / NeMo), counted from a model's
+modules so that every architecture gets the same rules:
+
+    3 x [ sum of 2 x (weights a token passes through) + causal attention scores and values ]
+
+- every ``nn.Linear`` except routers: 2 x in x out (attention projections, dense and shared MLPs,
+  latent projections, Mamba-2's in / out projections, the LM head);
+- stacked experts (a module holding 3-D weights [E, ...]): top-k x 2 x one expert's weights;
+- attention: QK^T and AV over the keys a causal query sees on average (S / 2, or about the window
+  for sliding-window layers): 2 x keys x heads x (qk_dim + v_dim);
+- routers, embeddings, norms, convolutions and the SSM scan are left out; backward = 2 x forward.
+
+For Qwen3-MoE this is exactly 3 x [sum over layers (2H(q + 2kv + q) + 2 S q + MLP) + 2 H V].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+_ROUTER_NAMES = ("gate", "router")
+
+
+def training_flops_per_token(model_or_config: nn.Module | Any, *, seq_len: int) -> float:
+    """Forward + backward FLOPs per token at sequence length ``seq_len`` (a config is built on the
+    meta device first: no memory)."""
+    model = model_or_config if isinstance(model_or_config, nn.Module) else meta_model(model_or_config)
+    config = model.config
+    top_k = getattr(config, "num_experts_per_tok", 1) or 1
+    forward = 0.0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in _ROUTER_NAMES:
+            forward += 2 * module.in_features * module.out_features
+        stacked = [p for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and "lora" not in n]
+        if stacked:
+            forward += top_k * 2 * sum(p[0].numel() for p in stacked)
+        if _is_attention(module):
+            forward += _attention_scores(module, config, seq_len)
+    return 3.0 * forward
+
+
+def meta_model(config: Any) -> nn.Module:
+    """``config``'s causal LM (moetune's class where it has one) on the meta device."""
+    import transformers
+
+    from moetune.models import family_for
+
+    family = family_for(config)
+    with torch.device("meta"):
+        if family is not None:
+            return family.causal_lm._from_config(config, attn_implementation=family.default_attention)
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _is_attention(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("Attention") and hasattr(module, "o_proj")
+
+
+def _attention_scores(module: nn.Module, config: Any, seq_len: int) -> float:
+    heads = config.num_attention_heads
+    qk_dim = getattr(module, "qk_head_dim", None) or module.head_dim  # MLA: nope + rope dims
+    v_dim = getattr(module, "v_head_dim", None) or module.head_dim
+    window = getattr(module, "sliding_window", None)
+    if window and window < seq_len:  # token i sees min(i, window) keys
+        keys = window - window * (window - 1) / (2 * seq_len)
+    else:
+        keys = seq_len / 2
+    return 2 * keys * heads * (qk_dim + v_dim)
