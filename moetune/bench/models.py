@@ -1,6 +1,7 @@
 """Building the two sides of a benchmark on the same config, weights and routing.
 
-- Transformers v5: ``transformers.AutoModelForCausalLM.from_config`` with sdpa attention and the
+- Transformers v5: ``transformers.AutoModelForCausalLM.from_config`` with sdpa attention (the
+  family's default where Transformers has no SDPA path: GPT-OSS, eager, on both sides) and the
   grouped_mm experts backend on CUDA (eager elsewhere); on several GPUs FSDP2 ``fully_shard`` on
   every decoder layer and the root (the published v5 baseline, no expert parallelism).
 - moetune: ``moetune.AutoModelForCausalLM.from_config`` (``balanced_gate``, ``ep_size=world`` on
@@ -22,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import transformers
 from torch import nn
 
@@ -51,13 +51,10 @@ def load_config(name_or_path: str, *, layers: int | None = None) -> tuple[str, t
     if not path.is_file():
         known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
         raise ValueError(f"--config {name_or_path!r}: neither a shipped config ({', '.join(known)}) nor a config.json")
-    data = json.loads(path.read_text())
-    model_type = data.pop("model_type", None)
-    if model_type != "qwen3_moe":
-        raise ValueError(f"moetune bench supports Qwen3-MoE configs (model_type 'qwen3_moe'), got {model_type!r}")
-    data.pop("architectures", None)
-    data.pop("transformers_version", None)
-    config = transformers.AutoConfig.for_model(model_type, **data)
+    model_type = json.loads(path.read_text()).get("model_type")
+    if model_type not in HF_ROUTERS:
+        raise ValueError(f"moetune bench supports the model types moetune implements ({', '.join(HF_ROUTERS)}), got {model_type!r}")
+    config = transformers.AutoConfig.from_pretrained(str(path))  # Transformers' reader (e.g. its encoding of inf)
     if layers is not None:
         if layers < 1:
             raise ValueError(f"--layers must be >= 1, got {layers}")
@@ -138,30 +135,43 @@ def _local_block(full: torch.Tensor, param: Any) -> torch.Tensor:
     return sharded.to_local()
 
 
+# Transformers' router class of each family, patched for the balanced gate (module, class name).
+HF_ROUTERS = {
+    "qwen3_moe": ("transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter"),
+    "deepseek_v3": ("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter"),
+    "gpt_oss": ("transformers.models.gpt_oss.modeling_gpt_oss", "GptOssTopKRouter"),
+    "nemotron_h": ("transformers.models.nemotron_h.modeling_nemotron_h", "NemotronHTopkRouter"),
+}
+
+
 @contextlib.contextmanager
-def hf_balanced_gate(*, enabled: bool, top_k: int) -> Iterator[None]:
-    """Transformers' Qwen3-MoE router replaced by the balanced gate (slot j -> expert j mod E, weight
-    1/K) for the duration of the block, then restored. Router logits are still computed (as moetune's
-    balanced gate does) so the routers' cost is the same on both sides."""
+def hf_balanced_gate(*, enabled: bool, top_k: int, model_type: str = "qwen3_moe") -> Iterator[None]:
+    """Transformers' router of ``model_type`` replaced by the balanced gate (slot j -> expert j mod E,
+    weight 1/K) for the duration of the block, then restored. Router logits are still computed
+    (as moetune's balanced gate does) so the routers' cost is the same on both sides."""
     if not enabled:
         yield
         return
-    from transformers.models.qwen3_moe import modeling_qwen3_moe
+    import importlib
 
-    router_cls = getattr(modeling_qwen3_moe, "Qwen3MoeTopKRouter", None)
+    module_name, class_name = HF_ROUTERS[model_type]
+    router_cls = getattr(importlib.import_module(module_name), class_name, None)
     if router_cls is None:
-        raise RuntimeError(
-            f"transformers {transformers.__version__} has no Qwen3MoeTopKRouter to patch for the balanced gate"
-        )
+        raise RuntimeError(f"transformers {transformers.__version__} has no {class_name} to patch for the balanced gate")
     original = router_cls.forward
 
     def balanced_forward(self, hidden_states: torch.Tensor):
-        num_experts, hidden = self.weight.shape
-        x_TH = hidden_states.reshape(-1, hidden)
-        logits_TE = F.linear(x_TH, self.weight)
+        out = original(self, hidden_states)
+        if not (isinstance(out, tuple) and len(out) == 3):
+            raise RuntimeError(
+                f"transformers {transformers.__version__}'s {class_name} returns logits only (the routing happens "
+                "elsewhere): --routing balanced cannot patch it; use --routing real"
+            )
+        logits_TE = out[0]
         weights_TK, experts_TK = balanced_assignment(
-            x_TH.shape[0], num_experts=num_experts, top_k=top_k, device=x_TH.device, dtype=logits_TE.dtype
-        )
+            logits_TE.shape[0], num_experts=logits_TE.shape[-1], top_k=top_k, device=logits_TE.device,
+            dtype=out[1].dtype,
+        )  # fmt: skip
         return logits_TE, weights_TK, experts_TK
 
     router_cls.forward = balanced_forward
@@ -206,6 +216,14 @@ class BenchModel:
         self.activation_checkpointing = enabled
 
 
+def attention_for(config: transformers.PretrainedConfig) -> str:
+    """sdpa, or the family's default where Transformers has no SDPA path (GPT-OSS: eager), on both sides."""
+    from moetune.models import family_for
+
+    family = family_for(config)
+    return family.default_attention if family is not None else "sdpa"
+
+
 def hf_experts_implementation(device: torch.device, dtype: torch.dtype) -> str:
     """grouped_mm on CUDA in bf16 (the published v5 setting), eager elsewhere (no CPU grouped GEMM)."""
     return "grouped_mm" if device.type == "cuda" and dtype == torch.bfloat16 else "eager"
@@ -225,7 +243,7 @@ def build_hf(
     requested = experts_implementation or hf_experts_implementation(device, dtype)
     config._experts_implementation = requested
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention_for(config))
     init_weights(model, seed=seed, round_to=round_to)  # before sharding: plain tensors
     notes: dict[str, Any] = {
         "class": f"{type(model).__module__}.{type(model).__name__}",
@@ -243,9 +261,10 @@ def build_hf(
         fully_shard(model, mesh=mesh)
         notes["sharding"] = f"FSDP2 fully_shard on every decoder layer and the root, {world_size} ranks, no EP"
     model.train()
-    top_k = config.num_experts_per_tok
+    top_k, model_type = config.num_experts_per_tok, config.model_type
     return BenchModel(
-        "hf", model, config, lambda balanced: hf_balanced_gate(enabled=balanced, top_k=top_k), notes=notes
+        "hf", model, config, lambda balanced: hf_balanced_gate(enabled=balanced, top_k=top_k, model_type=model_type),
+        notes=notes,
     )
 
 
