@@ -9,6 +9,7 @@ each process's part of the weights read. Every other architecture goes to Transf
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,18 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         elif kwargs:
             raise TypeError(f"unexpected keyword arguments with an explicit config: {sorted(kwargs)}")
         family = family_for(config)
+        if family is not None and _quantization_method(config) == "mxfp4" and family.causal_lm.checkpoint_layout.mxfp4_experts:
+            del config.quantization_config  # dequantized while loading; the model (and its saves) are plain
+        if family is not None and _quantization_method(config) is not None:
+            warnings.warn(
+                f"checkpoint {str(folder)!r} is quantized (quant_method={_quantization_method(config)!r}): moetune's "
+                f"{config.model_type} implementation trains bf16 / fp32 weights, so it loads through Transformers' class "
+                "(which dequantizes or keeps the quantized weights as it always does). Dequantize it to bf16 (e.g. "
+                "DeepSeek's fp8_cast_bf16.py, or Transformers' from_pretrained + save_pretrained) for moetune's "
+                "kernels and expert parallelism.",
+                stacklevel=2,
+            )
+            family = None
         if family is None:
             _check_fallback_options(config, options)
             _prefer_moetune_experts(config, fallback_kwargs)
@@ -83,7 +96,6 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             )
         if model_args:
             raise TypeError(f"{family.causal_lm.__name__} takes no positional model arguments, got {model_args!r}")
-        _refuse_quantized(config, folder)
         attn_implementation = attn_implementation or family.default_attention
 
         tensors = list_checkpoint_tensors(folder)
@@ -107,17 +119,14 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         return model if options.distributed else _with_lora(model, options)
 
 
-def _refuse_quantized(config: PretrainedConfig, folder: Path) -> None:
-    """moetune trains bf16 / fp32 weights; the Hub's FP8 DeepSeek-V3 and Kimi-K2 checkpoints store
-    block-scaled FP8 tensors (``weight_scale_inv``) that must be dequantized first."""
+def _quantization_method(config: PretrainedConfig) -> str | None:
+    """The checkpoint's ``quantization_config.quant_method`` (the Hub's DeepSeek-V3 / Kimi-K2 are FP8,
+    GPT-OSS MXFP4), or None for plain weights."""
     quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", "?")
-        raise ValueError(
-            f"checkpoint {str(folder)!r} is quantized (config.quantization_config, quant_method={method!r}); moetune "
-            "loads bf16 / fp32 weights: dequantize it first (e.g. DeepSeek's fp8_cast_bf16.py, or Transformers' "
-            "from_pretrained + save_pretrained in bf16)"
-        )
+    if not quantization:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
+    return str(method or "unknown")
 
 
 def _with_lora(model, options: MoetuneOptions):

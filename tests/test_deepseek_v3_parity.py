@@ -107,13 +107,20 @@ def test_multi_token_prediction_layer_is_ignored(tmp_path):
     assert isinstance(moetune.AutoModelForCausalLM.from_pretrained(folder), DeepseekV3ForCausalLM)
 
 
-def test_fp8_checkpoints_are_refused_before_loading(tmp_path):
+def test_fp8_checkpoints_load_through_transformers_with_a_warning(tmp_path, monkeypatch):
+    """moetune's implementation trains bf16 / fp32 weights: a quantized checkpoint goes to
+    Transformers' class (which knows how to load it), with a warning saying so."""
     folder = _save(reference(), tmp_path, "per-expert")
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quant_method='fp8'.*dequantize it first"):
-        moetune.AutoModelForCausalLM.from_pretrained(folder)
+    calls = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: calls.append(k) or "hf")
+    with pytest.warns(UserWarning, match="quant_method='fp8'.*loads through Transformers' class"):
+        assert moetune.AutoModelForCausalLM.from_pretrained(folder) == "hf"
+    assert calls and calls[0]["config"].model_type == "deepseek_v3"
+    with pytest.raises(ValueError, match="ep_size / device_mesh need an architecture moetune implements"):
+        moetune.AutoModelForCausalLM.from_pretrained(folder, ep_size=2)
 
 
 def test_bad_group_settings_name_the_fields():

@@ -105,3 +105,70 @@ def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path):
     Transformers in fp32 holding the same weights, or no further than Transformers' bf16."""
     folder = save_with_transformers(reference(hidden_size=64, intermediate_size=32), tmp_path)
     check_bf16_cuda_training_parity(folder, vocab=96)
+
+
+def _mxfp4_checkpoint(tmp_path, **overrides):
+    """A GPT-OSS checkpoint whose expert weights are MXFP4 (random codes and exponents), as on the
+    Hub, and the fp32 Transformers model holding their dequantized values."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from moetune.checkpoint.mxfp4 import quantized_shapes
+
+    ref = reference(intermediate_size=32, **overrides)  # MXFP4 groups of 32 along each input dim
+    generator = torch.Generator().manual_seed(3)
+    tensors = {}
+    with torch.no_grad():
+        for name, param in ref.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks_shape, scales_shape = quantized_shapes(tuple(param.shape))
+                blocks = torch.randint(0, 256, blocks_shape, generator=generator, dtype=torch.uint8)
+                scales = torch.randint(118, 124, scales_shape, generator=generator, dtype=torch.uint8)
+                param.copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+                tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+            else:
+                tensors[name] = param.detach().clone()
+    folder = tmp_path / "mxfp4"
+    ref.config.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, folder / "model.safetensors")
+    return ref, folder
+
+
+def test_mxfp4_experts_are_dequantized_while_loading(tmp_path):
+    """The Hub's MXFP4 experts load into moetune's model dequantized exactly as Transformers does;
+    the loaded model and what it saves are plain (no quantization_config)."""
+    ref, folder = _mxfp4_checkpoint(tmp_path)
+    ours = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert isinstance(ours, GptOssForCausalLM) and getattr(ours.config, "quantization_config", None) is None
+    ref_params = dict(ref.named_parameters())
+    for name, param in ours.named_parameters():
+        assert torch.equal(param, ref_params[name]), name
+    check_training_parity(ours, ref, padded=False)
+    ours.save_pretrained(tmp_path / "saved")
+    assert "quantization_config" not in (tmp_path / "saved" / "config.json").read_text()
+
+
+def test_mxfp4_checkpoint_with_a_missing_scale_names_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, folder = _mxfp4_checkpoint(tmp_path)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing tensors \(1\): model.layers.0.mlp.experts.down_proj_scales"):
+        moetune.AutoModelForCausalLM.from_pretrained(folder)
+
+
+@pytest.mark.distributed
+def test_mxfp4_under_expert_parallelism_reads_each_ranks_experts(tmp_path):
+    from tests.distributed import workers
+    from tests.distributed.helpers import spawn
+
+    _, folder = _mxfp4_checkpoint(tmp_path, vocab_size=64, output_router_logits=False)
+    # Parity only: this model starts at ln(64), the entropy of the random tokens it trains on.
+    spawn(workers.train_parity, 2, str(folder), 2, str(tmp_path / "out"), True, False)

@@ -38,6 +38,9 @@ class CheckpointLayout:
     fused_experts: tuple[FusedExpertParam, ...] = ()
     experts_module: str = "mlp.experts"
     ignored_keys: tuple[str, ...] = (r".*rotary_emb\.inv_freq$",)
+    mxfp4_experts: bool = False
+    """3-D expert weights may be stored MXFP4-quantized as ``<name>_blocks`` + ``<name>_scales``
+    (GPT-OSS's Hub checkpoints); they are dequantized while loading (``moetune.checkpoint.mxfp4``)."""
     renamed_prefixes: tuple[tuple[str, str], ...] = ()
     """(Hub prefix, model prefix) pairs, the first that matches applies: Nemotron-H's Hub files say
     ``backbone.`` for ``model.``."""

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from moetune.checkpoint import mxfp4
 from moetune.checkpoint.files import TensorInfo
 from moetune.checkpoint.layout import CheckpointLayout, Region
 
@@ -29,6 +30,8 @@ class LoadItem:
     key: str
     info: TensorInfo
     region: Region
+    scales: tuple[str, TensorInfo] | None = None
+    """MXFP4: the key and file of the scales that go with the blocks in ``key``."""
 
 
 def model_tensor_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -56,10 +59,18 @@ def plan_checkpoint_load(
     shapes = model_tensor_shapes(model)
     tied = _tied_names(model)
     items: list[LoadItem] = []
-    unexpected, misshaped = [], []
+    unexpected, misshaped, missing = [], [], []
     covered: dict[str, int] = defaultdict(int)
     for key, info in tensors.items():
         if layout.is_ignored(key) or layout.canonical(key) in tied:
+            continue
+        quantized = _mxfp4_param(layout, key, shapes)
+        if quantized is not None:
+            if key.endswith(mxfp4.BLOCKS_SUFFIX):
+                item = _mxfp4_item(key, info, quantized, shapes[quantized], tensors, missing, misshaped)
+                if item is not None:
+                    covered[quantized] += prod(shapes[quantized])
+                    items.append(item)
             continue
         region = layout.region(key, shapes)
         if region is None:
@@ -71,9 +82,8 @@ def plan_checkpoint_load(
             continue
         covered[region.param] += prod(region.shape)
         items.append(LoadItem(key, info, region))
-    missing = []
     for name, shape in shapes.items():
-        if covered[name] != prod(shape):
+        if covered[name] != prod(shape) and not any(m.startswith(name) for m in missing):
             present = set(tensors)
             missing += [k for k in layout.hub_keys_for(name, shape) if k not in present] or [name]
     problems = []
@@ -87,6 +97,30 @@ def plan_checkpoint_load(
         folder = next(iter(tensors.values())).file.parent if tensors else "?"
         raise ValueError(f"checkpoint {str(folder)!r} does not match {type(model).__name__}: " + "; ".join(problems))
     return items
+
+
+def _mxfp4_param(layout: CheckpointLayout, key: str, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """The 3-D parameter that MXFP4 tensor ``key`` (blocks or scales) stores, if it is one."""
+    if not layout.mxfp4_experts:
+        return None
+    name = layout.canonical(key)
+    for suffix in (mxfp4.BLOCKS_SUFFIX, mxfp4.SCALES_SUFFIX):
+        if name.endswith(suffix) and len(shapes.get(name[: -len(suffix)], ())) == 3:
+            return name[: -len(suffix)]
+    return None
+
+
+def _mxfp4_item(key, info, param, shape, tensors, missing, misshaped) -> LoadItem | None:
+    scales_key = key[: -len(mxfp4.BLOCKS_SUFFIX)] + mxfp4.SCALES_SUFFIX
+    if scales_key not in tensors:
+        missing.append(scales_key)
+        return None
+    expected_blocks, expected_scales = mxfp4.quantized_shapes(shape)
+    for name, got, want in ((key, info.shape, expected_blocks), (scales_key, tensors[scales_key].shape, expected_scales)):
+        if tuple(got) != want:
+            misshaped.append(f"{name} {list(got)} (expected {list(want)} for MXFP4 {param} {list(shape)})")
+            return None
+    return LoadItem(key, info, Region(param, (0,) * len(shape), shape), scales=(scales_key, tensors[scales_key]))
 
 
 def _listing(names: list[str], limit: int = 8) -> str:
@@ -115,7 +149,7 @@ def load_checkpoint(model: nn.Module, items: list[LoadItem]) -> None:
         with safe_open(path, framework="pt") as handle:
             for item in file_items:
                 local, local_offset = local_block(targets[item.region.param])
-                _copy_block(handle, item, local, local_offset)
+                (_copy_mxfp4 if item.scales is not None else _copy_block)(handle, item, local, local_offset)
 
 
 def _copy_block(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple[int, ...]) -> None:
@@ -131,3 +165,14 @@ def _copy_block(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple
     extra_dims = len(region.shape) - len(item.info.shape)
     block = handle.get_slice(item.key)[tuple(src_slices[extra_dims:])]
     local[tuple(dest_slices)].copy_(block.reshape(local[tuple(dest_slices)].shape))
+
+
+def _copy_mxfp4(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple[int, ...]) -> None:
+    """Dequantize the experts (and output columns) this process holds of an MXFP4 parameter
+    [E, in, out]; the files store [E, out, in / 32 groups]."""
+    (e0, i0, o0), (e1, i1, o1) = local_offset, tuple(o + n for o, n in zip(local_offset, local.shape))
+    blocks = handle.get_slice(item.key)[e0:e1, o0:o1]
+    scales_key, scales_info = item.scales
+    with safe_open(str(scales_info.file), framework="pt") as scales_handle:
+        scales = scales_handle.get_slice(scales_key)[e0:e1, o0:o1]
+    local.copy_(mxfp4.dequantize(blocks, scales, local.dtype)[:, i0:i1, :])

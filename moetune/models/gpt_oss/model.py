@@ -6,8 +6,8 @@ Subclasses Transformers' classes, so module paths and parameter names (``mlp.rou
 ``mlp.experts.gate_up_proj``, ``mlp.experts.gate_up_proj_bias``, ...), the attention with sinks and
 alternating sliding windows, its fp32 RMSNorms, ``generate`` and the KV cache are Transformers'
 own; the sparse block is moetune's. The Hub stores the experts already fused, so loading needs no
-per-expert layout; its MXFP4 checkpoints must be dequantized to bf16 first (moetune refuses
-quantized checkpoints). Transformers supports only eager / flex / flash-kernel attention for
+per-expert layout; its MXFP4 experts are dequantized to the model's dtype while loading (each
+process reads only its experts), as the brief asks for training. Transformers supports only eager / flex / flash-kernel attention for
 GPT-OSS (the sinks), so moetune's default attention here is eager.
 """
 
@@ -80,7 +80,7 @@ class GptOssModel(MoetuneBaseModelMixin, hf.GptOssModel):
 class GptOssForCausalLM(MoetuneCausalLMMixin, hf.GptOssForCausalLM):
     """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable."""
 
-    checkpoint_layout = CheckpointLayout()  # experts are stored fused on the Hub
+    checkpoint_layout = CheckpointLayout(mxfp4_experts=True)  # experts stored fused on the Hub, MXFP4 or bf16
 
     def __init__(self, config) -> None:
         self._init_decoder_lm(config, hf.GptOssPreTrainedModel, GptOssModel)
