@@ -73,8 +73,8 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         elif kwargs:
             raise TypeError(f"unexpected keyword arguments with an explicit config: {sorted(kwargs)}")
         family = family_for(config)
-        if family is not None and _quantization_method(config) == "mxfp4" and family.causal_lm.checkpoint_layout.mxfp4_experts:
-            del config.quantization_config  # dequantized while loading; the model (and its saves) are plain
+        if family is not None and _dequantized_while_loading(config, family.causal_lm.checkpoint_layout):
+            del config.quantization_config  # the model (and what it saves) holds plain weights
         if family is not None and _quantization_method(config) is not None:
             warnings.warn(
                 f"checkpoint {str(folder)!r} is quantized (quant_method={_quantization_method(config)!r}): moetune's "
@@ -117,6 +117,17 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         model.generation_config = _generation_config(folder, model, generation_config)
         model.eval()
         return model if options.distributed else _with_lora(model, options)
+
+
+def _dequantized_while_loading(config: PretrainedConfig, layout) -> bool:
+    """MXFP4 experts (GPT-OSS) and 128 x 128 block-scaled FP8 (DeepSeek-V3, Kimi-K2, Qwen3 "-FP8")
+    are dequantized by moetune's loader."""
+    method = _quantization_method(config)
+    quantization = getattr(config, "quantization_config", None) or {}
+    block = quantization.get("weight_block_size") if isinstance(quantization, dict) else getattr(quantization, "weight_block_size", None)
+    if method == "mxfp4":
+        return layout.mxfp4_experts
+    return method == "fp8" and layout.fp8_block_scaled and list(block or []) == [128, 128]
 
 
 def _quantization_method(config: PretrainedConfig) -> str | None:

@@ -186,3 +186,27 @@ def save_with_transformers(model: torch.nn.Module, tmp_path: Path) -> Path:
     """``model.save_pretrained`` into ``tmp_path / "ckpt"`` (Transformers writes its Hub layout)."""
     model.save_pretrained(tmp_path / "ckpt")
     return tmp_path / "ckpt"
+
+
+def quantize_fp8_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    """Rewrite ``folder``'s single-file checkpoint the way the Hub's DeepSeek-V3 / Qwen3 "-FP8" files
+    are: every projection weight in FP8 e4m3 with 128 x 128 block scales (``<key>_scale_inv``), and
+    ``quantization_config`` in config.json. Returns the values each quantized key dequantizes to."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    expected = {}
+    for key in [k for k in tensors if k.endswith("proj.weight")]:
+        weight = tensors[key].float()
+        rows, cols = -(-weight.shape[0] // 128), -(-weight.shape[1] // 128)
+        padded = torch.nn.functional.pad(weight, (0, cols * 128 - weight.shape[1], 0, rows * 128 - weight.shape[0]))
+        scale = padded.view(rows, 128, cols, 128).abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+        per_value = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: weight.shape[0], : weight.shape[1]]
+        tensors[key] = (weight / per_value).to(torch.float8_e4m3fn)
+        tensors[key + "_scale_inv"] = scale
+        expected[key] = tensors[key].float() * per_value
+    save_file(tensors, folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
+    (folder / "config.json").write_text(json.dumps(config))
+    return expected

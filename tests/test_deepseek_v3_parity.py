@@ -15,6 +15,7 @@ import moetune
 from moetune.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from moetune.moe import GroupLimitedSigmoidRouter
 from tests.conftest import (
+    quantize_fp8_checkpoint,
     check_bf16_cuda_training_parity,
     check_generation_and_reload,
     check_training_parity,
@@ -107,16 +108,36 @@ def test_multi_token_prediction_layer_is_ignored(tmp_path):
     assert isinstance(moetune.AutoModelForCausalLM.from_pretrained(folder), DeepseekV3ForCausalLM)
 
 
-def test_fp8_checkpoints_load_through_transformers_with_a_warning(tmp_path, monkeypatch):
-    """moetune's implementation trains bf16 / fp32 weights: a quantized checkpoint goes to
-    Transformers' class (which knows how to load it), with a warning saying so."""
+def _fp8_checkpoint(tmp_path, **overrides):
+    """DeepSeek's Hub format (see ``quantize_fp8_checkpoint``), with partial 128-blocks."""
+    ref = reference(hidden_size=160, moe_intermediate_size=144, intermediate_size=272, **overrides)
+    folder = save_per_expert_checkpoint(ref, tmp_path / "fp8")
+    return folder, quantize_fp8_checkpoint(folder)
+
+
+def test_fp8_block_scaled_weights_are_dequantized_while_loading(tmp_path):
+    """The Hub's FP8 DeepSeek-V3 / Kimi-K2 format loads into moetune's model (per-expert tensors into
+    the fused experts, partial 128-blocks included) with the values block x scale; the model and
+    its saves are plain."""
+    folder, expected = _fp8_checkpoint(tmp_path)
+    ours = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert isinstance(ours, DeepseekV3ForCausalLM) and getattr(ours.config, "quantization_config", None) is None
+    ours.save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert "quantization_config" not in (tmp_path / "saved" / "config.json").read_text()
+    assert set(expected) <= set(saved)
+    for key, values in expected.items():
+        torch.testing.assert_close(saved[key], values, rtol=0, atol=0, msg=key)
+
+
+def test_other_quantized_checkpoints_load_through_transformers_with_a_warning(tmp_path, monkeypatch):
     folder = _save(reference(), tmp_path, "per-expert")
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
     calls = []
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: calls.append(k) or "hf")
-    with pytest.warns(UserWarning, match="quant_method='fp8'.*loads through Transformers' class"):
+    with pytest.warns(UserWarning, match="quant_method='bitsandbytes'.*loads through Transformers' class"):
         assert moetune.AutoModelForCausalLM.from_pretrained(folder) == "hf"
     assert calls and calls[0]["config"].model_type == "deepseek_v3"
     with pytest.raises(ValueError, match="ep_size / device_mesh need an architecture moetune implements"):
@@ -149,3 +170,14 @@ def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path):
     Transformers' own bf16 model."""
     folder = _save(reference(hidden_size=64, moe_intermediate_size=32, intermediate_size=96), tmp_path, "per-expert")
     check_bf16_cuda_training_parity(folder, vocab=96)
+
+
+@pytest.mark.distributed
+def test_fp8_under_expert_parallelism_reads_each_ranks_blocks(tmp_path):
+    """ep=2: each rank dequantizes only its experts and its FSDP2 rows (row ranges that split the
+    128-blocks), and trains like one process."""
+    from tests.distributed import workers
+    from tests.distributed.helpers import spawn
+
+    folder, _ = _fp8_checkpoint(tmp_path, vocab_size=64)
+    spawn(workers.train_parity, 2, str(folder), 2, str(tmp_path / "out"), True, False)

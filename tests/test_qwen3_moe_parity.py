@@ -155,3 +155,18 @@ def test_aux_loss_under_generate(reference_qwen3_moe, tmp_path):
     ids, mask, _ = parity_batch(ours.config.vocab_size, padded=True)
     out = ours.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 15)
+
+
+def test_fp8_checkpoints_are_dequantized_while_loading(reference_qwen3_moe, tmp_path):
+    """Qwen3's "-FP8" Hub format (128 x 128 block-scaled e4m3, per-expert tensors)."""
+    from safetensors.torch import load_file
+
+    from tests.conftest import quantize_fp8_checkpoint
+
+    folder = save_per_expert_checkpoint(reference_qwen3_moe(hidden_size=160, moe_intermediate_size=144), tmp_path / "fp8")
+    expected = quantize_fp8_checkpoint(folder)
+    ours = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ours.save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    for key, values in expected.items():
+        torch.testing.assert_close(saved[key], values, rtol=0, atol=0, msg=key)

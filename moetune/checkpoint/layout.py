@@ -38,6 +38,9 @@ class CheckpointLayout:
     fused_experts: tuple[FusedExpertParam, ...] = ()
     experts_module: str = "mlp.experts"
     ignored_keys: tuple[str, ...] = (r".*rotary_emb\.inv_freq$",)
+    fp8_block_scaled: bool = False
+    """Weights may be stored in FP8 with 128 x 128 block scales (``<name>_scale_inv``); they are
+    dequantized while loading (``moetune.checkpoint.fp8``)."""
     mxfp4_experts: bool = False
     """3-D expert weights may be stored MXFP4-quantized as ``<name>_blocks`` + ``<name>_scales``
     (GPT-OSS's Hub checkpoints); they are dequantized while loading (``moetune.checkpoint.mxfp4``)."""
@@ -109,5 +112,6 @@ SWIGLU_EXPERTS = CheckpointLayout(
     fused_experts=(
         FusedExpertParam("gate_up_proj", ("gate_proj.weight", "up_proj.weight")),
         FusedExpertParam("down_proj", ("down_proj.weight",)),
-    )
+    ),
+    fp8_block_scaled=True,  # Qwen3's "-FP8" and DeepSeek-V3 / Kimi-K2's Hub files
 )

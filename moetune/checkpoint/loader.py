@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from moetune.checkpoint import mxfp4
+from moetune.checkpoint import fp8, mxfp4
 from moetune.checkpoint.files import TensorInfo
 from moetune.checkpoint.layout import CheckpointLayout, Region
 
@@ -31,7 +31,9 @@ class LoadItem:
     info: TensorInfo
     region: Region
     scales: tuple[str, TensorInfo] | None = None
-    """MXFP4: the key and file of the scales that go with the blocks in ``key``."""
+    """Quantized weights: the key and file of the scales that go with ``key``."""
+    kind: str = "plain"
+    """``plain`` (copied), ``fp8`` (block-scaled FP8) or ``mxfp4`` (dequantized while copying)."""
 
 
 def model_tensor_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -72,6 +74,8 @@ def plan_checkpoint_load(
                     covered[quantized] += prod(shapes[quantized])
                     items.append(item)
             continue
+        if layout.fp8_block_scaled and key.endswith(fp8.SCALE_SUFFIX) and key[: -len(fp8.SCALE_SUFFIX)] in tensors:
+            continue  # read with its weight
         region = layout.region(key, shapes)
         if region is None:
             unexpected.append(key)
@@ -80,8 +84,13 @@ def plan_checkpoint_load(
         if tuple(info.shape) != region.shape[extra:]:
             misshaped.append(f"{key} {list(info.shape)} (expected {list(region.shape[extra:])} for {region.param})")
             continue
+        item = LoadItem(key, info, region)
+        if layout.fp8_block_scaled and info.dtype in fp8.FP8_DTYPES:
+            item = _fp8_item(item, tensors, missing, misshaped)
+            if item is None:
+                continue
         covered[region.param] += prod(region.shape)
-        items.append(LoadItem(key, info, region))
+        items.append(item)
     for name, shape in shapes.items():
         if covered[name] != prod(shape) and not any(m.startswith(name) for m in missing):
             present = set(tensors)
@@ -120,7 +129,19 @@ def _mxfp4_item(key, info, param, shape, tensors, missing, misshaped) -> LoadIte
         if tuple(got) != want:
             misshaped.append(f"{name} {list(got)} (expected {list(want)} for MXFP4 {param} {list(shape)})")
             return None
-    return LoadItem(key, info, Region(param, (0,) * len(shape), shape), scales=(scales_key, tensors[scales_key]))
+    return LoadItem(key, info, Region(param, (0,) * len(shape), shape), scales=(scales_key, tensors[scales_key]), kind="mxfp4")
+
+
+def _fp8_item(item: LoadItem, tensors, missing, misshaped) -> LoadItem | None:
+    scales_key = item.key + fp8.SCALE_SUFFIX
+    scales = tensors.get(scales_key)
+    if scales is None or len(item.info.shape) != 2:
+        missing.append(scales_key)
+        return None
+    if tuple(scales.shape) != fp8.scale_shape(item.info.shape):
+        misshaped.append(f"{scales_key} {list(scales.shape)} (expected {list(fp8.scale_shape(item.info.shape))})")
+        return None
+    return LoadItem(item.key, item.info, item.region, scales=(scales_key, scales), kind="fp8")
 
 
 def _listing(names: list[str], limit: int = 8) -> str:
@@ -149,7 +170,7 @@ def load_checkpoint(model: nn.Module, items: list[LoadItem]) -> None:
         with safe_open(path, framework="pt") as handle:
             for item in file_items:
                 local, local_offset = local_block(targets[item.region.param])
-                (_copy_mxfp4 if item.scales is not None else _copy_block)(handle, item, local, local_offset)
+                {"plain": _copy_block, "fp8": _copy_block, "mxfp4": _copy_mxfp4}[item.kind](handle, item, local, local_offset)
 
 
 def _copy_block(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple[int, ...]) -> None:
@@ -163,7 +184,14 @@ def _copy_block(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple
         src_slices.append(slice(lo - start, hi - start))
     # Per-expert tensors lack the leading expert dim of their region: drop those (size-1) slices.
     extra_dims = len(region.shape) - len(item.info.shape)
-    block = handle.get_slice(item.key)[tuple(src_slices[extra_dims:])]
+    src = tuple(src_slices[extra_dims:])
+    block = handle.get_slice(item.key)[src]
+    if item.kind == "fp8":
+        scales_key, scales_info = item.scales
+        scale_rows, scale_cols = fp8.scale_rows_cols(*src)
+        with safe_open(str(scales_info.file), framework="pt") as scales_handle:
+            scales = scales_handle.get_slice(scales_key)[scale_rows, scale_cols]
+        block = fp8.dequantize(block, scales, *src, dtype=local.dtype)
     local[tuple(dest_slices)].copy_(block.reshape(local[tuple(dest_slices)].shape))
 
 

@@ -22,6 +22,7 @@ from moetune.moe import GroupedExperts, GroupLimitedSigmoidRouter, MoEBlock
 
 CHECKPOINT_LAYOUT = CheckpointLayout(
     fused_experts=SWIGLU_EXPERTS.fused_experts,
+    fp8_block_scaled=True,  # the Hub's DeepSeek-V3 and Kimi-K2 files are FP8
     ignored_keys=(*SWIGLU_EXPERTS.ignored_keys, r"^model\.layers\.61\."),  # Transformers' rule, as its class
 )
 
