@@ -8,6 +8,7 @@ each process's part of the weights read. Every other architecture goes to Transf
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -189,13 +190,25 @@ def resolve_checkpoint_folder(name_or_path: str | os.PathLike, **hub: Any) -> Pa
     return folder / subfolder if subfolder else folder
 
 
+# Hub model types whose remote-code config is one of Transformers' classes (Kimi-K2 ships
+# DeepSeek-V3's architecture under its own model_type).
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
 def _load_config(folder: Path, *, trust_remote_code: bool | None, overrides: dict[str, Any]) -> PretrainedConfig:
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {str(folder)!r}")
+    data = json.loads((folder / "config.json").read_text())
+    alias = MODEL_TYPE_ALIASES.get(data.get("model_type"))
     try:
-        config, unused = AutoConfig.from_pretrained(
-            folder, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **overrides
-        )
+        if alias is not None and not trust_remote_code:  # Transformers' own class, no remote code
+            fields = {k: v for k, v in data.items() if k not in ("model_type", "auto_map")}
+            config_class = type(AutoConfig.for_model(alias))
+            config, unused = config_class.from_dict(fields, return_unused_kwargs=True, **overrides)
+        else:
+            config, unused = AutoConfig.from_pretrained(
+                folder, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **overrides
+            )
     except (ValueError, KeyError) as error:
         raise ValueError(f"neither moetune nor Transformers can build the config in {str(folder)!r}: {error}") from error
     if unused:

@@ -144,6 +144,19 @@ def test_other_quantized_checkpoints_load_through_transformers_with_a_warning(tm
         moetune.AutoModelForCausalLM.from_pretrained(folder, ep_size=2)
 
 
+def test_kimi_k2_configs_load_as_deepseek_v3_without_remote_code(tmp_path):
+    """Kimi-K2's Hub config names model_type kimi_k2 with an auto_map to remote code; its fields are
+    DeepSeek-V3's, so moetune builds Transformers' DeepseekV3Config and saves a plain checkpoint."""
+    ref = reference()
+    folder = _save(ref, tmp_path, "per-expert")
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (folder / "config.json").write_text(json.dumps(config))
+    ours = moetune.AutoModelForCausalLM.from_pretrained(folder)
+    assert isinstance(ours, DeepseekV3ForCausalLM) and ours.config.model_type == "deepseek_v3"
+    check_training_parity(ours, ref, padded=False)
+
+
 def test_bad_group_settings_name_the_fields():
     with pytest.raises(ValueError, match="n_group=3 must divide n_routed_experts=8"):
         moetune.AutoModelForCausalLM.from_config(tiny_deepseek_v3_config(n_group=3, topk_group=1))
