@@ -6,9 +6,11 @@ Letters: T = tokens, E = experts, L = MoE layers.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +45,35 @@ class ExpertLoad:
     def __init__(self, *, num_layers: int, num_experts: int, top_k: int, device: torch.device) -> None:
         self.top_k, self.num_experts = top_k, num_experts
         self.counts_LE = torch.zeros(num_layers, num_experts, dtype=torch.long, device=device)
+        self._chosen: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def recording(self, model: torch.nn.Module) -> Iterator[None]:
+        """Record the experts moetune's routers actually choose during the forward in the block (a
+        router's choice may add a bias and limit groups, which the logits alone do not show); ``add``
+        then counts those instead of the logits' top-k. Hooks are removed on exit, so activation
+        checkpointing's recomputation is not counted twice."""
+        from moetune.moe import ROUTERS
+
+        handles = [
+            module.register_forward_hook(lambda _m, _i, routing: self._chosen.append(routing.experts_TK))
+            for module in model.modules() if isinstance(module, ROUTERS)
+        ]  # fmt: skip
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
     @torch.no_grad()
     def add(self, router_logits: tuple[torch.Tensor, ...] | None, real_T: torch.Tensor) -> None:
-        """``router_logits``: per MoE layer [T, E] (T = all tokens of the micro-batch);
-        ``real_T``: True for real tokens (padding is not counted)."""
-        if not router_logits:
-            return
-        for layer, logits_TE in enumerate(router_logits):
-            # Top-k of the logits: the routed experts of softmax routers (Qwen3-MoE, GPT-OSS); for
-            # DeepSeek-V3 / Nemotron-H, whose choice adds a bias and limits groups, an approximation.
-            chosen = logits_TE[real_T.to(logits_TE.device)].topk(self.top_k, dim=-1).indices
+        """Count each MoE layer's routed experts of the real tokens (``real_T``: False for padding):
+        the choices ``recording`` saw, else the top-k of ``router_logits`` (per layer [T, E], the
+        routing of softmax routers such as Transformers' fallback models')."""
+        chosen_per_layer = self._chosen or [logits_TE.topk(self.top_k, dim=-1).indices for logits_TE in router_logits or ()]
+        self._chosen = []
+        for layer, experts_TK in enumerate(chosen_per_layer):
+            chosen = experts_TK[real_T.to(experts_TK.device)]
             self.counts_LE[layer] += torch.bincount(chosen.flatten(), minlength=self.num_experts)
 
     def as_lists(self) -> list[list[int]]:

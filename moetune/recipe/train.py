@@ -67,7 +67,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
     items_per_rank = max(num_label, 1.0) / runtime.world_size
     loss_sum = torch.zeros((), device=runtime.device)
     for batch in micro_batches:
-        with autocast():
+        recording = expert_load.recording(model) if expert_load is not None else contextlib.nullcontext()
+        with autocast(), recording:
             out = model(**batch.model_inputs(runtime.device), num_items_in_batch=items_per_rank,
                         output_router_logits=expert_load is not None)
         lm_loss = out.loss

@@ -49,3 +49,20 @@ def test_moe_layer_ids_follow_each_family_rule():
 
     assert moe_layer_ids(DeepseekV3Config(num_hidden_layers=5, first_k_dense_replace=2)) == [2, 3, 4]
     assert moe_layer_ids(NemotronHConfig(num_hidden_layers=4, hybrid_override_pattern="ME*E")) == [1, 3]
+
+
+def test_expert_load_records_the_routers_actual_choices():
+    """DeepSeek-style routers choose with a bias the logits do not show: recording counts what the
+    router chose (the balanced gate here: slot j -> expert j mod E), not the logits' top-k."""
+    from moetune.moe import GroupLimitedSigmoidRouter
+
+    router = GroupLimitedSigmoidRouter(hidden_size=4, num_experts=4, top_k=2, num_groups=2, top_k_groups=1,
+                                       normalize_top_k=True, scaling_factor=1.0, balanced=True)  # fmt: skip
+    model = torch.nn.Sequential(router)
+    load = ExpertLoad(num_layers=1, num_experts=4, top_k=2, device=torch.device("cpu"))
+    with load.recording(model):
+        routing = model(torch.randn(3, 4))
+    load.add((routing.logits_TE,), torch.tensor([True, True, False]))
+    assert load.as_lists() == [[1, 1, 1, 1]]  # tokens 0, 1 -> experts (0, 1), (2, 3)
+    model(torch.randn(3, 4))  # hooks removed: nothing recorded outside the block
+    assert load._chosen == []
