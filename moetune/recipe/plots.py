@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 
-def write_plots(output_dir: Path, *, moe_layer_ids: list[int]) -> Path:
+def write_plots(output_dir: Path, *, moe_layer_ids: list[int]) -> Path | None:
     """Read ``metrics.jsonl`` and write ``plots/loss.png`` (and ``plots/expert_load.png`` when the
-    model has experts). Returns the plots directory."""
-    import matplotlib
+    model has experts). Returns the plots directory, or None (with a note) without matplotlib: a
+    finished job must not fail on its last, optional output."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("metrics.plots: matplotlib is not installed (pip install 'moetune[recipe]'); no plots written",
+              file=sys.stderr)  # fmt: skip
+        return None
 
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt

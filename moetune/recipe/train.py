@@ -311,7 +311,8 @@ def finish(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.Null
     if job.runtime.is_main:
         if config.metrics.plots:
             plot_dir = plots.write_plots(job.out_dir, moe_layer_ids=metrics.moe_layer_ids(job.model_config))
-            result.exported["plots"] = str(plot_dir)
+            if plot_dir is not None:
+                result.exported["plots"] = str(plot_dir)
         _print_summary(result, job.out_dir)
 
 

@@ -66,3 +66,15 @@ def test_expert_load_records_the_routers_actual_choices():
     assert load.as_lists() == [[1, 1, 1, 1]]  # tokens 0, 1 -> experts (0, 1), (2, 3)
     model(torch.randn(3, 4))  # hooks removed: nothing recorded outside the block
     assert load._chosen == []
+
+
+def test_plots_are_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """A finished job must not fail on its last, optional output."""
+    import sys
+
+    from moetune.recipe.plots import write_plots
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert write_plots(tmp_path, moe_layer_ids=[0]) is None
+    assert "matplotlib is not installed" in capsys.readouterr().err
