@@ -3,6 +3,8 @@ optional sinks degrade gracefully."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from moetune.recipe.train import finetune
@@ -48,3 +50,26 @@ def test_tensorboard_receives_the_metrics(tiny_job, tmp_path):
     events.Reload()
     assert "loss" in events.Tags()["scalars"]
     assert [e.step for e in events.Scalars("loss")] == [1, 2]
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "nemotron_h"])
+def test_every_moetune_family_fine_tunes_and_exports(tiny_job, tmp_path, family):
+    """The recipe on a tiny model of each family moetune implements (the default tokenizer's
+    vocabulary): it trains, counts the routers' expert choices and exports a checkpoint that plain
+    Transformers loads."""
+    import transformers
+
+    from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
+    from tests.test_gpt_oss_parity import tiny_gpt_oss_config
+    from tests.test_nemotron_h_parity import tiny_nemotron_h_config
+
+    build = {"deepseek_v3": tiny_deepseek_v3_config, "gpt_oss": tiny_gpt_oss_config, "nemotron_h": tiny_nemotron_h_config}
+    build[family](vocab_size=309, max_position_embeddings=512).save_pretrained(tmp_path / "model")
+    result = finetune(tiny_job(tmp_path / "out", model__config_path=tmp_path / "model", training__steps=2,
+                               checkpoint__export_final="true"))  # fmt: skip
+    assert len(result.losses) == 2 and all(loss == loss for loss in result.losses)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(result.exported["final"])
+    assert exported.config.model_type == family
+    final = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
+    counts = final["expert_tokens"]  # each tiny config has two MoE layers
+    assert len(counts) == 2 and all(sum(layer) > 0 for layer in counts)
