@@ -24,6 +24,7 @@ from moetune.recipe.distributed_setup import (
 from moetune.recipe.interrupts import StopRequest
 from moetune.recipe.model_loading import build_model, load_model_config, load_tokenizer, model_fingerprint
 from moetune.recipe.packing import Batch, BatchStream, fixed_batches
+from moetune.training import set_learning_rate
 
 
 class NonFiniteLossError(RuntimeError):
@@ -246,7 +247,7 @@ def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metri
     window_start = time.perf_counter()
     with StopRequest() as stop:
         while step < config.training.steps:
-            optim.set_lr(job.optimizer, optim.lr_at(step, config.optim, total_steps=config.training.steps))
+            set_learning_rate(job.optimizer, optim.lr_at(step, config.optim, total_steps=config.training.steps))
             micro_batches = [next(job.stream) for _ in range(config.training.grad_accum_steps)]
             try:
                 result = train_step(job.model, job.optimizer, micro_batches, runtime=job.runtime,
