@@ -74,18 +74,19 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         elif kwargs:
             raise TypeError(f"unexpected keyword arguments with an explicit config: {sorted(kwargs)}")
         family = family_for(config)
-        if family is not None and _dequantized_while_loading(config, family.causal_lm.checkpoint_layout):
-            del config.quantization_config  # the model (and what it saves) holds plain weights
-        if family is not None and _quantization_method(config) is not None:
-            warnings.warn(
-                f"checkpoint {str(folder)!r} is quantized (quant_method={_quantization_method(config)!r}): moetune's "
-                f"{config.model_type} implementation trains bf16 / fp32 weights, so it loads through Transformers' class "
-                "(which dequantizes or keeps the quantized weights as it always does). Dequantize it to bf16 (e.g. "
-                "DeepSeek's fp8_cast_bf16.py, or Transformers' from_pretrained + save_pretrained) for moetune's "
-                "kernels and expert parallelism.",
-                stacklevel=2,
-            )
-            family = None
+        method = _quantization_field(config, "quant_method")
+        if family is not None and method is not None:
+            if _dequantized_while_loading(config, method, family.causal_lm.checkpoint_layout):
+                del config.quantization_config  # the model (and what it saves) holds plain weights
+            else:
+                warnings.warn(
+                    f"checkpoint {str(folder)!r} is quantized (quant_method={method!r}): moetune's "
+                    f"{config.model_type} implementation trains bf16 / fp32 weights, so it loads through Transformers' "
+                    "class (which dequantizes or keeps the quantized weights as it always does). Dequantize it to bf16 "
+                    "(e.g. Transformers' from_pretrained + save_pretrained) for moetune's kernels and expert parallelism.",
+                    stacklevel=2,
+                )
+                family = None
         if family is None:
             _check_fallback_options(config, options)
             _prefer_moetune_experts(config, fallback_kwargs)
@@ -120,25 +121,23 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         return model if options.distributed else _with_lora(model, options)
 
 
-def _dequantized_while_loading(config: PretrainedConfig, layout) -> bool:
+def _dequantized_while_loading(config: PretrainedConfig, method: str, layout) -> bool:
     """MXFP4 experts (GPT-OSS) and 128 x 128 block-scaled FP8 (DeepSeek-V3, Kimi-K2, Qwen3 "-FP8")
     are dequantized by moetune's loader."""
-    method = _quantization_method(config)
-    quantization = getattr(config, "quantization_config", None) or {}
-    block = quantization.get("weight_block_size") if isinstance(quantization, dict) else getattr(quantization, "weight_block_size", None)
     if method == "mxfp4":
         return layout.mxfp4_experts
+    block = _quantization_field(config, "weight_block_size")
     return method == "fp8" and layout.fp8_block_scaled and list(block or []) == [128, 128]
 
 
-def _quantization_method(config: PretrainedConfig) -> str | None:
-    """The checkpoint's ``quantization_config.quant_method`` (the Hub's DeepSeek-V3 / Kimi-K2 are FP8,
-    GPT-OSS MXFP4), or None for plain weights."""
+def _quantization_field(config: PretrainedConfig, name: str) -> Any:
+    """A field of the checkpoint's ``quantization_config`` (a dict or an object), None without one;
+    ``quant_method`` is "unknown" when a quantization_config does not name it."""
     quantization = getattr(config, "quantization_config", None)
     if not quantization:
         return None
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(quantization, "quant_method", None)
-    return str(method or "unknown")
+    value = quantization.get(name) if isinstance(quantization, dict) else getattr(quantization, name, None)
+    return str(value or "unknown") if name == "quant_method" else value
 
 
 def _with_lora(model, options: MoetuneOptions):

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from moetune.bench.env import RunEnv, commit, gpu_name, hardware_slug, setup, teardown, utc_now, versions
-from moetune.bench.flops import flops_per_token
 from moetune.bench.measure import OPTIMIZERS, matmul_peak_tflops
 from moetune.bench.models import SIDES, SideUnavailable, build_side, load_config
 from moetune.bench.probe import EXIT_OOM, RESULT_PREFIX, probe_side
@@ -40,6 +39,7 @@ from moetune.bench.report import (
     write_json,
 )
 from moetune.bench.run import Row, RowResult, is_oom, make_rows, run_rows
+from moetune.flops import training_flops_per_token as flops_per_token
 
 DEFAULT_LAYERS = 8
 RECORDED_ENV_PREFIXES = ("PYTORCH_CUDA_ALLOC", "CUDA_VISIBLE", "NCCL_", "TORCH_")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import transformers
 from torch import nn
 
@@ -159,18 +160,25 @@ def hf_balanced_gate(*, enabled: bool, top_k: int, model_type: str = "qwen3_moe"
     if router_cls is None:
         raise RuntimeError(f"transformers {transformers.__version__} has no {class_name} to patch for the balanced gate")
     original = router_cls.forward
+    checked = False
 
     def balanced_forward(self, hidden_states: torch.Tensor):
-        out = original(self, hidden_states)
-        if not (isinstance(out, tuple) and len(out) == 3):
-            raise RuntimeError(
-                f"transformers {transformers.__version__}'s {class_name} returns logits only (the routing happens "
-                "elsewhere): --routing balanced cannot patch it; use --routing real"
-            )
-        logits_TE = out[0]
+        nonlocal checked
+        if not checked:  # once: this Transformers version's router must return (logits, weights, experts)
+            out = original(self, hidden_states)
+            if not (isinstance(out, tuple) and len(out) == 3):
+                raise RuntimeError(
+                    f"transformers {transformers.__version__}'s {class_name} returns logits only (the routing "
+                    "happens elsewhere): --routing balanced cannot patch it; use --routing real"
+                )
+            checked = True
+        # The logits as each family's router computes them (fp32 routers hold fp32 weights; GPT-OSS
+        # adds a bias), and nothing else, as moetune's balanced gate.
+        x_TH = hidden_states.reshape(-1, self.weight.shape[-1]).to(self.weight.dtype)
+        logits_TE = F.linear(x_TH, self.weight, getattr(self, "bias", None))
         weights_TK, experts_TK = balanced_assignment(
             logits_TE.shape[0], num_experts=logits_TE.shape[-1], top_k=top_k, device=logits_TE.device,
-            dtype=out[1].dtype,
+            dtype=logits_TE.dtype,
         )  # fmt: skip
         return logits_TE, weights_TK, experts_TK
 

@@ -135,8 +135,11 @@ def _mxfp4_item(key, info, param, shape, tensors, missing, misshaped) -> LoadIte
 def _fp8_item(item: LoadItem, tensors, missing, misshaped) -> LoadItem | None:
     scales_key = item.key + fp8.SCALE_SUFFIX
     scales = tensors.get(scales_key)
-    if scales is None or len(item.info.shape) != 2:
+    if scales is None:
         missing.append(scales_key)
+        return None
+    if len(item.info.shape) != 2:
+        misshaped.append(f"{item.key} {list(item.info.shape)} (FP8 with block scales must be a 2-D weight)")
         return None
     if tuple(scales.shape) != fp8.scale_shape(item.info.shape):
         misshaped.append(f"{scales_key} {list(scales.shape)} (expected {list(fp8.scale_shape(item.info.shape))})")

@@ -36,6 +36,15 @@ def balanced_assignment(
     return weights_TK, experts_TK
 
 
+def balanced_routing(logits_TE: torch.Tensor, top_k: int) -> Routing:
+    """A router's decision under the balanced gate: its logits kept (aux loss, metrics), the
+    assignment and 1/K weights from ``balanced_assignment``."""
+    weights_TK, experts_TK = balanced_assignment(
+        logits_TE.shape[0], num_experts=logits_TE.shape[-1], top_k=top_k, device=logits_TE.device, dtype=logits_TE.dtype
+    )
+    return Routing(logits_TE, weights_TK, experts_TK)
+
+
 class SoftmaxTopKRouter(nn.Module):
     """Qwen3-MoE / Mixtral router: fp32 softmax over all experts, top-k, optional renormalisation.
 
@@ -57,10 +66,7 @@ class SoftmaxTopKRouter(nn.Module):
     def forward(self, x_TH: torch.Tensor) -> Routing:
         logits_TE = F.linear(x_TH, self.weight)
         if self.balanced:
-            weights_TK, experts_TK = balanced_assignment(
-                x_TH.shape[0], num_experts=self.num_experts, top_k=self.top_k, device=x_TH.device, dtype=logits_TE.dtype
-            )
-            return Routing(logits_TE, weights_TK, experts_TK)
+            return balanced_routing(logits_TE, self.top_k)
         probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
         top_probs_TK, experts_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.normalize_top_k:
@@ -115,10 +121,7 @@ class GroupLimitedSigmoidRouter(nn.Module):
     def forward(self, x_TH: torch.Tensor) -> Routing:
         logits_TE = F.linear(x_TH.float(), self.weight.float())
         if self.balanced:
-            weights_TK, experts_TK = balanced_assignment(
-                x_TH.shape[0], num_experts=self.num_experts, top_k=self.top_k, device=x_TH.device, dtype=logits_TE.dtype
-            )
-            return Routing(logits_TE, weights_TK, experts_TK)
+            return balanced_routing(logits_TE, self.top_k)
         scores_TE = logits_TE.sigmoid()
         choice_TE = scores_TE + self.e_score_correction_bias
         per_group = self.num_experts // self.num_groups
@@ -158,10 +161,7 @@ class TopKThenSoftmaxRouter(nn.Module):
     def forward(self, x_TH: torch.Tensor) -> Routing:
         logits_TE = F.linear(x_TH, self.weight, self.bias)
         if self.balanced:
-            weights_TK, experts_TK = balanced_assignment(
-                x_TH.shape[0], num_experts=self.num_experts, top_k=self.top_k, device=x_TH.device, dtype=logits_TE.dtype
-            )
-            return Routing(logits_TE, weights_TK, experts_TK)
+            return balanced_routing(logits_TE, self.top_k)
         top_logits_TK, experts_TK = torch.topk(logits_TE, self.top_k, dim=-1)
         return Routing(logits_TE, torch.softmax(top_logits_TK, dim=-1, dtype=top_logits_TK.dtype), experts_TK)
 

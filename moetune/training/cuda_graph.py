@@ -170,8 +170,7 @@ class CUDAGraphTrainStep:
             ) from error
         self._forward_backward_graph = graph
         self._static_grads = [p.grad for p in self.params]
-        missing = [i for i, grad in enumerate(self._static_grads) if grad is None and self.params[i].requires_grad]
-        if len(missing) == len(self.params):
+        if all(grad is None for grad in self._static_grads):
             raise RuntimeError("CUDA-graph step: the captured backward produced no gradient")
 
     def _copy_into_static(self, batch: Mapping[str, torch.Tensor]) -> None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from moetune.bench.flops import flops_per_token
 from moetune.bench.models import load_config
+from moetune.flops import training_flops_per_token as flops_per_token
 
 
 def test_qwen3_30b_a3b_is_about_23_gflop_per_token():
