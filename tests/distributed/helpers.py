@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -32,11 +33,15 @@ def _entry(rank: int, world_size: int, store_file: str, fn, args) -> None:
         fn(rank, world_size, *args)
     except BaseException:
         traceback.print_exc()
-        raise
-    else:
-        dist.barrier()  # no rank tears gloo down while a peer still talks to it
-    finally:
         dist.destroy_process_group()
+        raise
+    dist.barrier()  # no rank tears gloo down while a peer still talks to it
+    dist.destroy_process_group()
+    # Skip interpreter finalisation: gloo's threads sometimes abort it ("terminate called without an
+    # active exception", SIGABRT) after a finished, correct run; the moetune CLI's workers do the same.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # Workers fork from one forkserver that imported torch / transformers / moetune once (a fresh

@@ -3,36 +3,21 @@ experts), and a LoRA model sharded by FSDP2 after apply_lora training like one p
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from tests.distributed.helpers import spawn
 
 _WORLD = 2
 _E, _H, _I, _R, _SCALING = 4, 8, 4, 2, 0.5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=_WORLD)
-    try:
-        _check_expert_parallel(rank)
-        _check_fsdp2(rank)
-        dist.barrier()  # no rank tears gloo down while a peer still talks to it
-    finally:
-        dist.destroy_process_group()
+def _checks(rank: int, world_size: int) -> None:
+    _check_expert_parallel(rank)
+    _check_fsdp2(rank)
 
 
 def _check_expert_parallel(rank: int) -> None:
@@ -126,4 +111,4 @@ def _check_fsdp2(rank: int) -> None:
 
 @pytest.mark.distributed
 def test_lora_under_expert_parallelism_and_fsdp2():
-    mp.spawn(_worker, args=(_free_port(),), nprocs=_WORLD, join=True)
+    spawn(_checks, _WORLD)
