@@ -43,6 +43,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--loss-tol", type=float, default=None, help="default 2e-2 (bf16) / 1e-4 (fp32)")
     parser.add_argument("--grad-tol", type=float, default=None, help="default 5e-2 (bf16) / 1e-3 (fp32)")
     parser.add_argument("--ep-overlap-chunks", type=int, default=1, help="> 1: the pipelined dispatcher")
+    parser.add_argument("--ep-dispatch", default="alltoall", choices=["alltoall", "allgather"])
+    parser.add_argument("--dense-parallel", default="fsdp", choices=["fsdp", "replicate"])
+    parser.add_argument(
+        "--cuda-graph", action="store_true",
+        help="also check that CUDA-graph replays of the step (moetune.training.CUDAGraphTrainStep) give the eager "
+        "step's loss and gradients, and time the replays (needs --ep-dispatch allgather --dense-parallel replicate)",
+    )
     parser.add_argument("--checkpoint", default=None, help="a Qwen3-MoE folder; default: a random one in /tmp")
     return parser.parse_args()
 
@@ -102,7 +109,12 @@ def main() -> None:
 
     folder = make_checkpoint(args, rank)
     model = moetune.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, ep_size=ep, ep_overlap_chunks=args.ep_overlap_chunks
+        folder,
+        dtype=dtype,
+        ep_size=ep,
+        ep_overlap_chunks=args.ep_overlap_chunks,
+        ep_dispatch=args.ep_dispatch,
+        dense_parallel=args.dense_parallel,
     ).train()
     ref = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device).train()
     vocab = model.config.vocab_size
@@ -149,22 +161,31 @@ def main() -> None:
     if cuda:
         torch.cuda.empty_cache()
 
+    graph_err = None
+    train_step = None
+    if args.cuda_graph:
+        graph_err, train_step = check_graph_replays(model, args, vocab, device, rank)
     times = []
     for step in range(args.timed_steps + 2):
         ids, labels = micro_batch(100 + step, rank, args, vocab, device)
         sync()
         start = time.perf_counter()
-        model(input_ids=ids, labels=labels).loss.backward()
-        opt.step()
-        opt.zero_grad()
+        if train_step is not None:
+            train_step(input_ids=ids, labels=labels)
+        else:
+            model(input_ids=ids, labels=labels).loss.backward()
+            opt.step()
+            opt.zero_grad()
         sync()
         times.append(time.perf_counter() - start)
     ms = statistics.median(times[2:]) * 1e3
-    ok = worst_loss <= loss_tol and worst_grad <= grad_tol
+    ok = worst_loss <= loss_tol and worst_grad <= grad_tol and (graph_err is None or graph_err <= 1e-3)
     if rank == 0:
         tokens = args.micro_batch * args.seq_len
         print(
             f"RESULT ep_parity {'PASS' if ok else 'FAIL'} world={world} ep={ep} chunks={args.ep_overlap_chunks} "
+            f"dispatch={args.ep_dispatch} dense={args.dense_parallel} cuda_graph={args.cuda_graph} "
+            f"graph_vs_eager_rel={'-' if graph_err is None else f'{graph_err:.1e}'} "
             f"dtype={args.dtype} steps={args.steps} "
             f"max_loss_rel={worst_loss:.2e} (tol {loss_tol:.0e}) max_grad_rel={worst_grad:.2e} (tol {grad_tol:.0e}) "
             f"ms_per_step={ms:.1f} tokens_per_s_per_gpu={tokens / ms * 1e3:.0f} "
@@ -176,6 +197,35 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
     dist.destroy_process_group()
     raise SystemExit(0 if ok else 1)
+
+
+def check_graph_replays(model, args, vocab, device, rank):
+    """One eager step, then the captured step and one more replay, all on the same batch with a zero
+    learning rate (parameters unchanged): the replays' losses and gradients must equal the eager
+    step's. Returns the largest relative difference and a graphed step with a real learning rate."""
+    from moetune.optim import AdamW
+    from moetune.training import CUDAGraphTrainStep, set_learning_rate
+
+    model.zero_grad(set_to_none=True)
+    optimizer = AdamW(model.parameters(), lr=0.0, capturable=True)
+    step = CUDAGraphTrainStep(model, optimizer, warmup_steps=1)
+    ids, labels = micro_batch(50, rank, args, vocab, device)
+    worst = 0.0
+    eager_loss = step.forward_backward(input_ids=ids, labels=labels)
+    eager = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    step.optimizer_step()
+    for replay in range(2):
+        loss = step.forward_backward(input_ids=ids, labels=labels)
+        worst = max(worst, abs(loss.item() - eager_loss.item()) / abs(eager_loss.item()))
+        for name, param in model.named_parameters():
+            local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            expected = eager[name].to_local() if hasattr(eager[name], "to_local") else eager[name]
+            worst = max(worst, rel(local.float(), expected.float()))
+        step.optimizer_step()
+        if rank == 0:
+            print(f"graph replay {replay}: loss {loss.item():.6f} eager {eager_loss.item():.6f} worst rel {worst:.1e}", flush=True)
+    set_learning_rate(optimizer, 1e-5)
+    return worst, step
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@
 #     rowB       both sides, gradients reduced in bf16, moetune with EP_CHUNKS (default 1: no pipelining) chunks
 #     chunks     moetune alone with 1, 2 and 4 chunks (the pipelined dispatcher's effect)
 #     onegpu16l  moetune alone on GPU 0 at 16 layers, eager and graphed (the 90% reference)
+#     paritygraph  EP bf16 parity with ep_dispatch=allgather + dense_parallel=replicate, and CUDA-graph
+#                replays of that step equal to its eager step (benchmarks/ep_parity.py --cuda-graph)
+#     rowBgraph  rows B and C with moetune's expert-parallel step captured in CUDA graphs (all-gather
+#                dispatcher, replicated non-expert parameters), Transformers + FSDP2 measured alongside
+#     rowBag     moetune alone, the same options, eager (what the graph saves)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -46,6 +51,23 @@ if stage rowB; then
   echo "== rows B, C: ${NPROC} GPUs, ${LAYERS:-16} layers, real + balanced, bf16 gradient reduction, $EP_CHUNKS chunks"
   bench2 300 --routing both --moetune-option reduce_dtype=bfloat16 --moetune-option "ep_overlap_chunks=$EP_CHUNKS" \
     --moetune-optimizer moetune
+fi
+
+GRAPHABLE_EP=(--moetune-option ep_dispatch=allgather --moetune-option dense_parallel=replicate --moetune-optimizer moetune)
+if stage paritygraph; then
+  echo "== EP parity, all-gather dispatcher + replicated dense parameters, CUDA-graph replays"
+  timeout 200 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/ep_parity.py --ep-dispatch allgather \
+    --dense-parallel replicate --cuda-graph 2>&1 | grep -E "RESULT|graph replay|Error|error" || status=1
+fi
+
+if stage rowBgraph; then
+  echo "== rows B, C: ${NPROC} GPUs, ${LAYERS:-16} layers, moetune's EP step replayed from CUDA graphs"
+  bench2 360 --routing both --moetune-cuda-graph "${GRAPHABLE_EP[@]}"
+fi
+
+if stage rowBag; then
+  echo "== moetune alone, all-gather dispatcher + replicated dense parameters, eager"
+  bench2 200 --routing both --sides moetune "${GRAPHABLE_EP[@]}"
 fi
 
 if stage chunks; then

@@ -39,10 +39,27 @@ class MoetuneOptions:
     ``ep_capacity_factor``. It pays only where the experts' compute bounds the layer: on 2 H200s at
     4096 tokens per rank it was slower (moetune/distributed/README.md)."""
 
+    ep_dispatch: str = "alltoall"
+    """Expert parallelism: 'alltoall' sends each routed copy of a token to the rank of its expert
+    (``ep_capacity_factor`` / ``ep_overlap_chunks`` refine it); 'allgather' gives every rank all the
+    tokens of the ep group and reduce-scatters the experts' partial outputs: fixed shapes, no host
+    sync, fewer bytes when ep <= top-k, every rank must pass the same number of tokens
+    (``moetune.distributed.AllGatherExpertParallelDispatcher``)."""
+    dense_parallel: str = "fsdp"
+    """Parameters other than the experts: 'fsdp' shards them with FSDP2 over all ranks; 'replicate'
+    keeps full copies on every rank and averages their gradients (DDP-style), which with
+    ``ep_dispatch='allgather'`` makes the expert-parallel step CUDA-graph capturable. 'replicate'
+    needs ep_size == world size (each rank owns its experts outright)."""
+
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
             raise ValueError(f"ep_size must be a positive int (or None), got {self.ep_size!r}")
         check_ep_overlap_chunks(self.ep_overlap_chunks, capacity_factor=self.ep_capacity_factor)
+        check_ep_dispatch(
+            self.ep_dispatch, capacity_factor=self.ep_capacity_factor, overlap_chunks=self.ep_overlap_chunks
+        )
+        if self.dense_parallel not in DENSE_PARALLEL:
+            raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {self.dense_parallel!r}")
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> MoetuneOptions:
@@ -51,6 +68,10 @@ class MoetuneOptions:
     @property
     def distributed(self) -> bool:
         return self.device_mesh is not None or (self.ep_size is not None and self.ep_size > 1)
+
+
+EP_DISPATCH = ("alltoall", "allgather")
+DENSE_PARALLEL = ("fsdp", "replicate")
 
 
 def is_positive_int(value: Any) -> bool:
@@ -67,4 +88,15 @@ def check_ep_overlap_chunks(num_chunks: Any, *, capacity_factor: float | None) -
         raise ValueError(
             f"ep_overlap_chunks={num_chunks} cannot be combined with ep_capacity_factor={capacity_factor!r}: "
             "the pipelined dispatcher sends exact splits; set one of them only"
+        )
+
+
+def check_ep_dispatch(name: Any, *, capacity_factor: float | None, overlap_chunks: int) -> None:
+    """``ep_dispatch``: one of ``EP_DISPATCH``; the capacity and chunking options refine 'alltoall' only."""
+    if name not in EP_DISPATCH:
+        raise ValueError(f"ep_dispatch must be one of {EP_DISPATCH}, got {name!r}")
+    if name == "allgather" and (capacity_factor is not None or overlap_chunks != 1):
+        raise ValueError(
+            "ep_dispatch='allgather' takes neither ep_capacity_factor nor ep_overlap_chunks > 1 "
+            f"(got {capacity_factor!r}, {overlap_chunks!r}): those refine the all-to-all dispatcher"
         )

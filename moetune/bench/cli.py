@@ -75,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--moetune-cuda-graph", action="store_true",
-        help="moetune side replays each step from CUDA graphs (moetune.training.CUDAGraphTrainStep; one GPU, "
-        "capturable optimizer)",
+        help="moetune side replays each step from CUDA graphs (moetune.training.CUDAGraphTrainStep, capturable "
+        "optimizer; on several GPUs with ep_dispatch=allgather and dense_parallel=replicate)",
     )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
@@ -119,9 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.probe_max_seq:
         return _probe(args, sides)
     env = setup(args.device)
-    if args.moetune_cuda_graph and (env.distributed or env.device.type != "cuda"):
+    if args.moetune_cuda_graph and env.device.type != "cuda":
         teardown(env)
-        raise SystemExit("--moetune-cuda-graph needs one CUDA GPU (expert parallelism syncs with the host)")
+        raise SystemExit("--moetune-cuda-graph needs CUDA GPUs")
+    if args.moetune_cuda_graph and env.distributed and not _graph_capturable_ep(_moetune_options(args)):
+        teardown(env)
+        raise SystemExit(
+            "--moetune-cuda-graph on several GPUs needs the capturable expert-parallel step: "
+            "--moetune-option ep_dispatch=allgather --moetune-option dense_parallel=replicate "
+            "(the all-to-all dispatcher and FSDP2 synchronise with the host)"
+        )
     if args.moetune_cuda_graph and args.moetune_optimizer == "moetune-in-backward":
         teardown(env)
         raise SystemExit("--moetune-cuda-graph cannot capture --moetune-optimizer moetune-in-backward")
@@ -129,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args, env, sides)
     finally:
         teardown(env)
+
+
+def _graph_capturable_ep(options: dict[str, Any]) -> bool:
+    return options.get("ep_dispatch") == "allgather" and options.get("dense_parallel") == "replicate"
 
 
 def _moetune_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -298,7 +298,11 @@ def build_moetune(
         _require_expert_parallelism()
         options.setdefault("ep_size", world_size)
         model = moetune.AutoModelForCausalLM.from_config(config, dtype=dtype, balanced_gate=balanced_gate, **options)
-        notes["sharding"] = f"moetune expert parallelism ep_size={options['ep_size']} + FSDP2 (moetune.distributed)"
+        dense = "replicated non-expert parameters" if options.get("dense_parallel") == "replicate" else "FSDP2"
+        notes["sharding"] = (
+            f"moetune expert parallelism ep_size={options['ep_size']} ({options.get('ep_dispatch', 'alltoall')}) "
+            f"+ {dense} (moetune.distributed)"
+        )
     else:
         with torch.device(device):
             model = moetune.AutoModelForCausalLM.from_config(

@@ -1,13 +1,16 @@
 """Expert parallelism + FSDP2 on one device mesh; see README.md."""
 
+from moetune.distributed.allgather_dispatcher import AllGatherExpertParallelDispatcher
 from moetune.distributed.checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher, all_to_all
 from moetune.distributed.grad_norm import clip_grad_norm_, total_grad_norm
 from moetune.distributed.mesh import FLAT_DIM_NAME, MESH_DIM_NAMES, ParallelMesh, build_mesh
 from moetune.distributed.parallelize import ParallelConfig, parallelize, parallelize_for_options
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
+from moetune.distributed.replicate import ReplicatedGradientSync
 
 __all__ = [
+    "AllGatherExpertParallelDispatcher",
     "CapacityExpertParallelDispatcher",
     "FLAT_DIM_NAME",
     "MESH_DIM_NAMES",
@@ -15,6 +18,7 @@ __all__ = [
     "ParallelConfig",
     "ParallelMesh",
     "PipelinedExpertParallelDispatcher",
+    "ReplicatedGradientSync",
     "all_to_all",
     "build_mesh",
     "clip_grad_norm_",

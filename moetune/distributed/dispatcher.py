@@ -59,6 +59,11 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` unchanged; its gradient multiplied by ``scale`` (see ``rows_by_source``)."""
+    return _ScaleGrad.apply(x, scale)
+
+
 def all_to_all(x: torch.Tensor, *, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     """Autograd-correct all-to-all of rows: send ``input_splits[r]`` rows to rank r, receive ``output_splits[r]``."""
     return _AllToAll.apply(x, output_splits, input_splits, group)
@@ -109,7 +114,7 @@ def rows_by_expert(x_MH: torch.Tensor, sort_M: torch.Tensor, *, ep_size: int) ->
     """Received rows in the experts' order; the gradient leaving the experts is scaled by ep
     (see ``rows_by_source``). moe_permute with K=1 is x[sort_M] with a gather backward
     (index_select's is an atomic scatter)."""
-    return _ScaleGrad.apply(moe_permute(x_MH, sort_M, 1), float(ep_size))
+    return scale_grad(moe_permute(x_MH, sort_M, 1), float(ep_size))
 
 
 def rows_by_source(y_MH: torch.Tensor, sort_M: torch.Tensor, *, ep_size: int) -> torch.Tensor:
@@ -122,7 +127,7 @@ def rows_by_source(y_MH: torch.Tensor, sort_M: torch.Tensor, *, ep_size: int) ->
     gradients are unchanged. (Exact for power-of-two ep.) This avoids FSDP2's custom divide factor,
     which gloo's sum-only reductions apply twice on a one-rank group.
     """
-    y_MH = _ScaleGrad.apply(y_MH, 1.0 / ep_size)
+    y_MH = scale_grad(y_MH, 1.0 / ep_size)
     return torch.empty_like(y_MH).index_copy(0, sort_M, y_MH)
 
 

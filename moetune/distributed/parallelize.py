@@ -26,11 +26,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
+from moetune.distributed.allgather_dispatcher import AllGatherExpertParallelDispatcher
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
 from moetune.distributed.mesh import ParallelMesh, build_mesh, rank_device, require_process_group
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
+from moetune.distributed.replicate import ReplicatedGradientSync, broadcast_parameters
 from moetune.moe import GroupedExperts, MoEBlock, TokenDispatcher
-from moetune.options import check_ep_overlap_chunks
+from moetune.options import DENSE_PARALLEL, check_ep_dispatch, check_ep_overlap_chunks
 
 
 @dataclass
@@ -55,6 +57,11 @@ class ParallelConfig:
     """1: each MoE layer's all-to-alls and experts run one after another. C >= 2: the layer's tokens go
     in C chunks whose all-to-alls overlap the experts of other chunks on CUDA (pipelined_dispatcher.py).
     Only with exact splits (``ep_capacity_factor=None``)."""
+    ep_dispatch: str = "alltoall"
+    """'alltoall' (the dispatchers above) or 'allgather' (allgather_dispatcher.py: fixed shapes, no host sync)."""
+    dense_parallel: str = "fsdp"
+    """'fsdp': FSDP2 over all ranks for every non-expert parameter; 'replicate': full copies on every
+    rank, gradients averaged in the backward (replicate.py); needs ep == world."""
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
@@ -88,9 +95,14 @@ def check_unsharded(model: nn.Module) -> None:
 def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> nn.Module:
     """EP -> activation checkpointing -> (compile) -> FSDP2, in place; parameters stay on the meta device."""
     check_unsharded(model)
+    check_dense_parallel(config.dense_parallel, mesh)
     if mesh.ep_size > 1:
         apply_expert_parallel(
-            model, mesh, capacity_factor=config.ep_capacity_factor, overlap_chunks=config.ep_overlap_chunks
+            model,
+            mesh,
+            capacity_factor=config.ep_capacity_factor,
+            overlap_chunks=config.ep_overlap_chunks,
+            dispatch=config.ep_dispatch,
         )
     if config.lora is not None:
         from moetune.lora import apply_lora
@@ -100,9 +112,31 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) ->
         apply_activation_checkpointing(model)
     # torch.compile of each decoder layer belongs here, between AC and FSDP2. Not offered yet: dynamo
     # fails on the experts' DTensor -> local unwrap (tried with layer.compile(), torch 2.13).
-    apply_fsdp(model, mesh, config)
-    _refuse_ddp(model)
+    if config.dense_parallel == "fsdp":
+        apply_fsdp(model, mesh, config)
+        _refuse_ddp(model)
+    # 'replicate': nothing to shard (ep == world: every rank owns its experts); the gradient
+    # averaging needs the allocated parameters (replicate_dense_parameters, after allocation).
     return model
+
+
+def check_dense_parallel(name: str, mesh: ParallelMesh) -> None:
+    if name not in DENSE_PARALLEL:
+        raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {name!r}")
+    if name == "replicate" and mesh.ep_size != mesh.world_size:
+        raise ValueError(
+            f"dense_parallel='replicate' needs ep_size == world size (got ep={mesh.ep_size}, world={mesh.world_size}): "
+            "with fewer expert-parallel ranks the experts are FSDP2-sharded too; use dense_parallel='fsdp'"
+        )
+
+
+def replicate_dense_parameters(model: nn.Module, mesh: ParallelMesh) -> ReplicatedGradientSync:
+    """For an allocated model parallelized with ``dense_parallel='replicate'``: equal copies of the
+    non-expert parameters on every rank, and their gradients averaged in every backward."""
+    dense = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    group = mesh.world.get_group()
+    broadcast_parameters(dense, group=group)
+    return ReplicatedGradientSync(dense, group=group)
 
 
 def _refuse_ddp(model: nn.Module) -> None:
@@ -123,12 +157,21 @@ def _refuse_ddp(model: nn.Module) -> None:
 
 
 def apply_expert_parallel(
-    model: nn.Module, mesh: ParallelMesh, *, capacity_factor: float | None = None, overlap_chunks: int = 1
+    model: nn.Module,
+    mesh: ParallelMesh,
+    *,
+    capacity_factor: float | None = None,
+    overlap_chunks: int = 1,
+    dispatch: str = "alltoall",
 ) -> None:
-    """Experts' 3-D weights become DTensors ``Shard(0)`` over ``ep``; each MoE block gets the all-to-all dispatcher."""
+    """Experts' 3-D weights become DTensors ``Shard(0)`` over ``ep``; each MoE block gets the expert-parallel dispatcher."""
     ep_mesh, ep_size = mesh.ep, mesh.ep_size
     dispatcher = expert_parallel_dispatcher(
-        ep_mesh.get_group(), ep_size=ep_size, capacity_factor=capacity_factor, overlap_chunks=overlap_chunks
+        ep_mesh.get_group(),
+        ep_size=ep_size,
+        capacity_factor=capacity_factor,
+        overlap_chunks=overlap_chunks,
+        dispatch=dispatch,
     )
     for block in moe_blocks(model):
         experts = block.experts
@@ -147,9 +190,12 @@ def apply_expert_parallel(
 
 
 def expert_parallel_dispatcher(
-    group, *, ep_size: int, capacity_factor: float | None, overlap_chunks: int
+    group, *, ep_size: int, capacity_factor: float | None, overlap_chunks: int, dispatch: str = "alltoall"
 ) -> TokenDispatcher:
     check_ep_overlap_chunks(overlap_chunks, capacity_factor=capacity_factor)
+    check_ep_dispatch(dispatch, capacity_factor=capacity_factor, overlap_chunks=overlap_chunks)
+    if dispatch == "allgather":
+        return AllGatherExpertParallelDispatcher(group=group, ep_size=ep_size)
     if capacity_factor is not None:
         return CapacityExpertParallelDispatcher(group=group, ep_size=ep_size, capacity_factor=capacity_factor)
     if overlap_chunks > 1:
@@ -227,6 +273,8 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         activation_checkpointing=bool(getattr(options, "activation_checkpointing", False)),
         ep_capacity_factor=_capacity_factor(getattr(options, "ep_capacity_factor", None)),
         ep_overlap_chunks=getattr(options, "ep_overlap_chunks", 1),
+        ep_dispatch=getattr(options, "ep_dispatch", "alltoall"),
+        dense_parallel=getattr(options, "dense_parallel", "fsdp"),
         lora=getattr(options, "lora", None),
     )
     if device.type == "cuda":
@@ -240,6 +288,8 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         from moetune.lora import reset_lora_parameters
 
         reset_lora_parameters(model)
+    if config.dense_parallel == "replicate":
+        model.replicated_gradient_sync = replicate_dense_parameters(model, mesh)
     model.parallel_mesh = mesh
     return model
 

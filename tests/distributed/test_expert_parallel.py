@@ -54,6 +54,11 @@ def test_four_processes(checkpoint, two_experts_checkpoint, tmp_path):
     spawn(workers.four_process_suite, 4, checkpoint, two_experts_checkpoint, str(tmp_path))
 
 
+def test_allgather_dispatch_and_replicated_dense(checkpoint, tmp_path):
+    """ep_dispatch='allgather' + dense_parallel='replicate' (CUDA-graph capturable EP) equals one process."""
+    spawn(workers.allgather_and_replicate_suite, 2, checkpoint, str(tmp_path))
+
+
 def test_bad_inputs(checkpoint):
     spawn(workers.bad_inputs, 2, checkpoint)
 
@@ -76,6 +81,9 @@ def test_ep_size_must_be_a_positive_int(ep_size):
         ({"ep_overlap_chunks": 2.0}, "ep_overlap_chunks must be a positive int"),
         ({"ep_overlap_chunks": True}, "ep_overlap_chunks must be a positive int"),
         ({"ep_overlap_chunks": 2, "ep_capacity_factor": 2.0}, "cannot be combined with ep_capacity_factor"),
+        ({"ep_dispatch": "broadcast"}, "ep_dispatch must be one of"),
+        ({"ep_dispatch": "allgather", "ep_capacity_factor": 2.0}, "takes neither ep_capacity_factor"),
+        ({"dense_parallel": "ddp"}, "dense_parallel must be one of"),
     ],
 )
 def test_ep_overlap_chunks_is_checked(options, match):

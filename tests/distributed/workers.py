@@ -49,14 +49,20 @@ def _load(folder: str, **kwargs):
     return model
 
 
-def _check_layout(model, world_size: int, ep: int) -> None:
+def _check_layout(model, world_size: int, ep: int, *, dispatcher: str = "ExpertParallelDispatcher", replicated: bool = False) -> None:
+    """Experts are sharded over ep; everything else FSDP2-sharded (or, ``replicated``, full plain tensors)."""
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     assert blocks, "no MoE layers"
     for block in blocks:
         weight = block.experts.in_proj
         assert isinstance(weight, DTensor)
         assert weight.to_local().shape[0] * (world_size // ep) * ep >= block.num_experts
-        assert type(block.dispatcher).__name__ == ("ExpertParallelDispatcher" if ep > 1 else "LocalTokenDispatcher")
+        assert type(block.dispatcher).__name__ == (dispatcher if ep > 1 else "LocalTokenDispatcher")
+    if replicated:
+        expert_params = {id(p) for b in blocks for p in b.experts.parameters()}
+        for name, param in model.named_parameters():
+            assert isinstance(param, DTensor) == (id(param) in expert_params), f"{name}: wrong placement"
+        return
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor), f"{name} is not sharded"
     # Each rank holds (and read from the checkpoint) about 1 / world of the model.
@@ -96,14 +102,22 @@ def _step_pair(model, ref, opt, ref_opt, step: int, rank: int, world_size: int, 
 
 
 def train_parity(
-    rank: int, world_size: int, folder: str, ep: int, out: str, check_save: bool = True, expect_descent: bool = True
+    rank: int,
+    world_size: int,
+    folder: str,
+    ep: int,
+    out: str,
+    check_save: bool = True,
+    expect_descent: bool = True,
+    **options,
 ) -> None:
     """``SGD_STEPS`` SGD steps (with clipping) and one AdamW step: losses, gradients and parameters
-    equal the single-process run; an EP save equals the single-process save."""
+    equal the single-process run; an EP save equals the single-process save. ``options``: more
+    moetune keyword arguments (e.g. ``ep_dispatch``, ``dense_parallel``)."""
     vocab = 64
-    model = _load(folder, ep_size=ep)
+    model = _load(folder, ep_size=ep, **options)
     ref = _load(folder)
-    _check_layout(model, world_size, ep)
+    _check_layout(model, world_size, ep, **_expected_layout(options))
     if check_save:
         _check_save_equal(model, ref, Path(out) / f"ep{ep}", rank)
 
@@ -137,6 +151,11 @@ def train_parity(
         assert losses[-1] < losses[0], f"ep={ep}: the loss does not go down: {losses}"
 
 
+def _expected_layout(options: dict) -> dict:
+    dispatcher = "AllGatherExpertParallelDispatcher" if options.get("ep_dispatch") == "allgather" else "ExpertParallelDispatcher"
+    return {"dispatcher": dispatcher, "replicated": options.get("dense_parallel") == "replicate"}
+
+
 def _mesh(dp: int, ep: int):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -158,18 +177,20 @@ def _check_save_equal(model, ref, folder: Path, rank: int) -> None:
     dist.barrier()
 
 
-def dcp_resume(rank: int, world_size: int, folder: str, ep: int, out: str, optimizer_cls=torch.optim.AdamW) -> None:
+def dcp_resume(
+    rank: int, world_size: int, folder: str, ep: int, out: str, optimizer_cls=torch.optim.AdamW, **options
+) -> None:
     """Save model + AdamW state with DCP after two steps, load them into a freshly loaded model and
     optimizer: the next step's loss and parameters equal those of the run that kept going."""
     vocab = 64
-    model = _load(folder, ep_size=ep)
+    model = _load(folder, ep_size=ep, **options)
     opt = optimizer_cls(model.parameters(), lr=1e-2)
     for step in range(2):
         distributed_loss(model, step, rank, world_size, vocab).backward()
         clip_grad_norm_(model, 1.0)
         opt.step()
         opt.zero_grad()
-    path = Path(out) / f"dcp-{optimizer_cls.__module__}"
+    path = Path(out) / f"dcp-{optimizer_cls.__module__}-{'-'.join(map(str, options.values()))}"
     save_distributed_checkpoint(model, opt, path)
     loss = distributed_loss(model, 2, rank, world_size, vocab)
     loss.backward()
@@ -177,7 +198,7 @@ def dcp_resume(rank: int, world_size: int, folder: str, ep: int, out: str, optim
     next_loss = global_loss_value(loss, world_size)
     after = {n: gathered(p.data).clone() for n, p in model.named_parameters()}
 
-    resumed = _load(folder, ep_size=ep)
+    resumed = _load(folder, ep_size=ep, **options)
     resumed_opt = optimizer_cls(resumed.parameters(), lr=1e-2)
     load_distributed_checkpoint(resumed, resumed_opt, path)
     loss = distributed_loss(resumed, 2, rank, world_size, vocab)
@@ -468,6 +489,7 @@ def bad_inputs(rank: int, world_size: int, folder: str) -> None:
         "expected a 2-D mesh": ({}, dict(device_mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))),
         "disagrees with the device_mesh": ({}, dict(ep_size=2, device_mesh=_mesh(2, 1))),
         "must be a torch.distributed.device_mesh.DeviceMesh": ({}, dict(device_mesh="2x1")),
+        "needs ep_size == world size": ({}, dict(device_mesh=_mesh(2, 1), dense_parallel="replicate")),
     }
     allocated = []
     original_to_empty = torch.nn.Module.to_empty
@@ -535,3 +557,86 @@ def lora_under_expert_parallelism(rank: int, world_size: int, checkpoint: str) -
             assert changed, name
         if name not in lora_names:
             assert not changed, name
+
+
+ALLGATHER_REPLICATE = {"ep_dispatch": "allgather", "dense_parallel": "replicate"}
+
+
+def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: str) -> None:
+    """``ep_dispatch='allgather'`` and ``dense_parallel='replicate'`` (the CUDA-graph capturable
+    expert-parallel step): the dispatcher alone equals the local one; training (SGD + clipping +
+    AdamW), save, DCP resume and activation checkpointing equal one process; from_config gives every
+    rank the same non-expert weights; the all-gather dispatcher under FSDP2; unequal token counts."""
+    allgather_dispatcher(rank, world_size)
+    train_parity(rank, world_size, folder, world_size, out, **ALLGATHER_REPLICATE)
+    dcp_resume(rank, world_size, folder, world_size, out, **ALLGATHER_REPLICATE)
+    one_step_parity(
+        rank, world_size, folder, what="allgather + replicate + AC", ep_size=world_size, enable_ac=True, **ALLGATHER_REPLICATE
+    )
+    one_step_parity(rank, world_size, folder, what="allgather + FSDP2", ep_size=world_size, ep_dispatch="allgather")
+
+    from tests.conftest import tiny_qwen3_moe_config
+
+    torch.manual_seed(rank)  # different on every rank: the broadcast must make the copies equal
+    fresh = moetune.AutoModelForCausalLM.from_config(
+        tiny_qwen3_moe_config(vocab_size=64, output_router_logits=False), ep_size=world_size, **ALLGATHER_REPLICATE
+    )
+    for name, param in fresh.named_parameters():
+        if not isinstance(param, DTensor):
+            copies = [torch.empty_like(param.data) for _ in range(world_size)]
+            dist.all_gather(copies, param.data.contiguous())
+            assert all(torch.equal(c, copies[0]) for c in copies), f"{name} differs between ranks after from_config"
+
+
+def allgather_dispatcher(rank: int, world_size: int) -> None:
+    """``AllGatherExpertParallelDispatcher.run`` with experts that scale each row by a weight of its
+    expert (and write NaN into the padding rows, which must not leak): output and the gradients of
+    the tokens, routing weights and expert weights equal the local dispatcher's; the token counts of
+    the ranks must agree."""
+    import pytest
+
+    from moetune.distributed import AllGatherExpertParallelDispatcher
+    from moetune.moe import LocalTokenDispatcher, Routing
+
+    num_experts, hidden, top_k, num_tokens = 8, 4, 2, 9
+    num_local = num_experts // world_size
+    weight_EH = torch.randn(num_experts, hidden, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    gen = torch.Generator().manual_seed(20 + rank)
+    x = torch.randn(num_tokens, hidden, generator=gen, requires_grad=True)
+    experts = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    experts[:4] = torch.stack([torch.randperm(num_local, generator=gen)[:top_k] for _ in range(4)])  # rank 0's only
+    weights = torch.rand(num_tokens, top_k, generator=gen, requires_grad=True)
+    routing = Routing(torch.zeros(num_tokens, num_experts), weights, experts)
+    probe = torch.randn(num_tokens, hidden, generator=gen)
+
+    def scaled_rows(first_expert: int):
+        def run_experts(x_NH, counts_L):
+            valid = int(counts_L.sum())
+            local_N = torch.repeat_interleave(torch.arange(counts_L.numel()), counts_L, output_size=valid)
+            out = x_NH[:valid] * weight_EH[first_expert + local_N]
+            return torch.cat([out, torch.full((x_NH.shape[0] - valid, hidden), float("nan"))])
+
+        return run_experts
+
+    def run(dispatcher, first_expert: int):
+        out = dispatcher.run(x, routing, scaled_rows(first_expert), num_experts=num_experts)
+        grads = torch.autograd.grad((out * probe).sum(), [x, weights, weight_EH])
+        return out, grads
+
+    expected, expected_grads = run(LocalTokenDispatcher(), 0)
+    got, grads = run(AllGatherExpertParallelDispatcher(group=dist.group.WORLD, ep_size=world_size), rank * num_local)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(grads[0], expected_grads[0])
+    torch.testing.assert_close(grads[1], expected_grads[1])
+    # Expert weights: the world average of the local dispatcher's gradients (each rank's rows scaled by 1/ep).
+    expert_grads = expected_grads[2].clone()
+    dist.all_reduce(expert_grads)
+    mine = slice(rank * num_local, (rank + 1) * num_local)
+    torch.testing.assert_close(grads[2][mine], expert_grads[mine] / world_size)
+
+    uneven = torch.randn(num_tokens + rank, hidden)
+    uneven_routing = Routing(torch.zeros(num_tokens + rank, num_experts), torch.rand(num_tokens + rank, top_k), experts[:1].expand(num_tokens + rank, -1))
+    with pytest.raises(ValueError, match="same number of tokens on every rank"):
+        AllGatherExpertParallelDispatcher(group=dist.group.WORLD, ep_size=world_size).run(
+            uneven, uneven_routing, scaled_rows(rank * num_local), num_experts=num_experts
+        )

@@ -1,0 +1,147 @@
+"""Expert parallelism with fixed shapes and no host synchronisation: all-gather the tokens of the
+ep group, run this rank's experts on every routed copy that chose one of them, reduce-scatter the
+partial outputs back (Megatron-LM's all-gather token dispatcher).
+
+Why: ``ExpertParallelDispatcher``'s all-to-all needs its split sizes on the host, one
+synchronisation per MoE layer, so its step cannot be captured in a CUDA graph and on 2 H200s it
+is bound by the host (benchmarks/README.md). Here every shape depends only on (ep, T, K, H): with
+``dense_parallel="replicate"`` the whole expert-parallel step is captured by
+``moetune.training.CUDAGraphTrainStep``.
+
+Bytes: each rank receives the (ep - 1) * T tokens of its peers once, where the all-to-all sends
+the ~T * K * (ep - 1) / ep routed copies: fewer bytes whenever ep <= K (4x fewer at ep = 2, K = 8).
+Rows: the experts' row buffer holds all ep * T * K routed copies of the gathered tokens, those of
+local experts first (sorted by expert) and the rest as padding that the grouped GEMM skips; the
+experts take the gathered tokens and the order (``gather_order``) and keep no second copy of the
+rows for the backward. Outputs are combined per token in fp32 and reduce-scattered in the model
+dtype (one more rounding than the all-to-all path in bf16; exact in fp32).
+
+Every rank of the ep group must pass the same number of tokens (pack or pad micro-batches to one
+shape). Eager calls check it (one host synchronisation per layer, as the all-to-all dispatcher);
+calls being captured in a CUDA graph skip the check: the capture replays the checked shapes.
+
+Shape legend: T tokens on this rank, H hidden, K experts per token, R = ep ranks, G = R * T
+gathered tokens, E experts in the model, L = E / R experts on this rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moetune.distributed.dispatcher import scale_grad
+from moetune.kernels import moe_combine, moe_permute
+from moetune.moe.dispatch import TokenDispatcher, apply_experts, tokens_per_expert
+from moetune.moe.routing import Routing
+
+# torch >= 2.13 renamed the tensor collectives; older versions only have the first names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather(x: torch.Tensor, group, world: int) -> torch.Tensor:
+    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    _all_gather(out, x.contiguous(), group=group)
+    return out
+
+
+def _scatter_sum(x: torch.Tensor, group, world: int) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
+    _reduce_scatter(out, x.contiguous(), group=group)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    """Rows of every rank, in rank order; the backward sums each rank's block over the group."""
+
+    @staticmethod
+    def forward(ctx, x, group, world: int) -> torch.Tensor:
+        ctx.group, ctx.world = group, world
+        return _gather(x, group, world)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter_sum(grad, ctx.group, ctx.world), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Sum over the group, block r to rank r; the backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, x, group, world: int) -> torch.Tensor:
+        ctx.group, ctx.world = group, world
+        return _scatter_sum(x, group, world)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.group, ctx.world), None, None
+
+
+def all_gather_rows(x: torch.Tensor, *, group, world: int) -> torch.Tensor:
+    return _AllGather.apply(x, group, world)
+
+
+def reduce_scatter_rows(x: torch.Tensor, *, group, world: int) -> torch.Tensor:
+    return _ReduceScatter.apply(x, group, world)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class AllGatherExpertParallelDispatcher(TokenDispatcher):
+    """Rank r holds experts [r*L, (r+1)*L); ``run`` = all-gather -> local experts -> reduce-scatter."""
+
+    def __init__(self, *, group: dist.ProcessGroup, ep_size: int) -> None:
+        self.group = group
+        self.ep_size = ep_size
+        self.rank = dist.get_rank(group)
+
+    def run(self, x_TH: torch.Tensor, routing: Routing, experts, *, num_experts: int) -> torch.Tensor:
+        ep, group, top_k = self.ep_size, self.group, routing.experts_TK.shape[1]
+        if not _capturing():
+            self._check_same_tokens(x_TH.shape[0])
+        num_local = num_experts // ep
+        x_GH = all_gather_rows(x_TH, group=group, world=ep)
+        weights_GK = all_gather_rows(routing.weights_TK, group=group, world=ep)
+        experts_GK = _gather(routing.experts_TK, group, ep)  # integer ids: no gradient
+        # Local expert id, or num_local for copies routed to another rank (sorted last: padding).
+        local_GK = experts_GK - self.rank * num_local
+        is_local_GK = (local_GK >= 0) & (local_GK < num_local)
+        key_N = torch.where(is_local_GK, local_GK, num_local).reshape(-1)
+        order_N = torch.argsort(key_N, stable=True)
+        counts_L = tokens_per_expert(key_N, num_local + 1)[:num_local]
+        # Expert weights' gradients: see dispatcher.rows_by_source (scaled by 1/ep entering the
+        # experts, by ep leaving them).
+        x_NH = scale_grad(moe_permute(x_GH, order_N, top_k), float(ep))
+        y_NH = apply_experts(experts, x_NH, counts_L)
+        y_NH = scale_grad(y_NH, 1.0 / ep)
+        # Padding rows' outputs are undefined memory: zero them before the weighted sum.
+        valid_N = torch.arange(y_NH.shape[0], device=y_NH.device) < counts_L.sum()
+        y_NH = torch.where(valid_N.unsqueeze(-1), y_NH, torch.zeros((), dtype=y_NH.dtype, device=y_NH.device))
+        local_weights_GK = torch.where(is_local_GK, weights_GK, torch.zeros_like(weights_GK))
+        partial_GH = moe_combine(y_NH, local_weights_GK, order_N)
+        return reduce_scatter_rows(partial_GH, group=group, world=ep)
+
+    def dispatch(self, x_TH, routing, *, num_experts):
+        raise NotImplementedError("AllGatherExpertParallelDispatcher combines inside run(); call run()")
+
+    def combine(self, y_NH, state):
+        raise NotImplementedError("AllGatherExpertParallelDispatcher combines inside run(); call run()")
+
+    def _check_same_tokens(self, num_tokens: int) -> None:
+        mine = torch.tensor([num_tokens], dtype=torch.int64, device=_collective_device(self.group))
+        counts = _gather(mine, self.group, self.ep_size).tolist()  # host sync (eager calls only)
+        if len(set(counts)) > 1:
+            raise ValueError(
+                f"ep_dispatch='allgather' needs the same number of tokens on every rank of the expert-parallel "
+                f"group, got {counts} (pad or pack every micro-batch to one shape, or use ep_dispatch='alltoall')"
+            )
+
+    def __repr__(self) -> str:
+        return f"AllGatherExpertParallelDispatcher(ep_size={self.ep_size})"
+
+
+def _collective_device(group) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
