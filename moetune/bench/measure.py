@@ -2,7 +2,9 @@
 
 - Step time: CUDA events on GPU (no host sync inside the measured steps), ``perf_counter`` on CPU;
   warm-up steps first, then the median over the measured steps, with and without the optimizer step.
-- Peak memory: ``torch.cuda.max_memory_allocated`` after a reset that follows warm-up.
+- Peak memory: ``torch.cuda.max_memory_allocated`` after a reset that follows warm-up. Steps
+  replayed from a CUDA graph allocate nothing (the graph's pool was filled while capturing), so
+  for them the reset comes before the capture step and the peak is that of the captured step.
 - State memory: bytes of parameters + gradients + optimizer states counted from tensor sizes (the
   local shards under FSDP2 / expert parallelism); working memory = peak - state, i.e. activations,
   temporaries and communication buffers.
@@ -61,15 +63,21 @@ def measure_steps(
     device: torch.device,
     warmup: int,
     steps: int,
+    peak_from_warmup_step: int | None = None,
 ) -> StepTimes:
-    """Run ``warmup + steps`` training steps; peak-memory stats are reset after the warm-up."""
+    """Run ``warmup + steps`` training steps; peak-memory stats are reset after the warm-up, or
+    before warm-up step ``peak_from_warmup_step`` (0-based; the capture step of a CUDA-graph run)."""
     if warmup < 0 or steps < 1:
         raise ValueError(f"need warmup >= 0 and steps >= 1, got warmup={warmup}, steps={steps}")
-    for _ in range(warmup):
+    for index in range(warmup):
+        if index == peak_from_warmup_step:
+            synchronize(device)
+            reset_peak_memory(device)
         forward_backward()
         optimizer_step()
     synchronize(device)
-    reset_peak_memory(device)
+    if peak_from_warmup_step is None:
+        reset_peak_memory(device)
     clock = _Clock(device)
     marks, losses = [], []
     for _ in range(steps):

@@ -167,7 +167,10 @@ def _run_row(
 
     with bench.routing_context(row.routing == "balanced"):
         try:
-            times = measure_steps(forward_backward, optimizer_step, device=env.device, warmup=warmup, steps=steps)
+            times = measure_steps(
+                forward_backward, optimizer_step, device=env.device, warmup=warmup, steps=steps,
+                peak_from_warmup_step=1 if graphed is not None else None,  # the capture step
+            )
         finally:
             if graphed is not None:  # release the graphs' memory pool before the next row
                 graphed.close()

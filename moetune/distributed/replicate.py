@@ -15,11 +15,14 @@ ep = 2). Ranks start equal: the parameters are broadcast from the group's first 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.distributed.tensor import DTensor
 
 
 class ReplicatedGradientSync:
@@ -33,6 +36,7 @@ class ReplicatedGradientSync:
         self.average_in_collective = "nccl" in str(dist.get_backend(group)).lower()
         self._pending: list[tuple[torch.Tensor, dist.Work]] = []
         self._handles = [p.register_post_accumulate_grad_hook(self._reduce) for p in self.params]
+        _install_optimizer_check()
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -59,3 +63,38 @@ def broadcast_parameters(params: Iterable[torch.Tensor], *, group: dist.ProcessG
     src = dist.get_global_rank(group, 0)
     for param in params:
         dist.broadcast(param.data, src=src, group=group)
+
+
+_checked_optimizers: weakref.WeakSet = weakref.WeakSet()
+_optimizer_check_installed = False
+
+
+def _install_optimizer_check() -> None:
+    global _optimizer_check_installed
+    if not _optimizer_check_installed:
+        register_optimizer_step_pre_hook(check_optimizer_tensor_kinds)
+        _optimizer_check_installed = True
+
+
+def check_optimizer_tensor_kinds(optimizer: torch.optim.Optimizer, *_args) -> None:
+    """A replicated model mixes plain parameters with the experts' DTensors; torch's foreach / fused
+    kernels cannot take both in one list (a DTensor "mixed torch.Tensor and DTensor" error deep in the
+    step). Raise a clear error on an optimizer's first step instead; moetune's AdamW steps each
+    tensor on its own and takes both."""
+    if optimizer in _checked_optimizers:
+        return
+    _checked_optimizers.add(optimizer)
+    if type(optimizer).__module__.startswith("moetune."):
+        return
+    for index, group in enumerate(optimizer.param_groups):
+        params = group["params"]
+        mixed = len({isinstance(p, DTensor) for p in params}) > 1
+        multi_tensor = group.get("fused") or group.get("foreach") or (
+            group.get("foreach") is None and all(p.is_cuda for p in params)  # torch's default on CUDA
+        )
+        if mixed and multi_tensor:
+            raise ValueError(
+                f"{type(optimizer).__name__} param group {index} mixes replicated plain parameters with expert-parallel "
+                "DTensors (dense_parallel='replicate'), which torch's foreach / fused kernels cannot step together: "
+                "use moetune.optim.AdamW, pass foreach=False, or put the experts' parameters in their own param group"
+            )

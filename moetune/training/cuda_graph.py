@@ -17,8 +17,11 @@ same buffers are overwritten by each replay and read by the optimizer graph.
 Requirements, checked before the capture: CUDA; every call's tensors have the shapes and dtypes
 of the captured batch (pack sequences to a fixed length); a capturable optimizer
 (``moetune.optim.AdamW(capturable=True)``, or torch's with ``capturable=True``); no host
-synchronisation in the step (expert parallelism's all-to-all needs its split sizes on the host:
-use eager steps there); one micro-batch per optimizer step. Learning-rate changes reach the
+synchronisation in the step; one micro-batch per optimizer step. Expert parallelism is captured
+with ``ep_dispatch="allgather"`` and ``dense_parallel="replicate"`` (fixed shapes, collectives
+on the device only; the all-to-all dispatcher needs its split sizes on the host and FSDP2 manages
+parameter memory from the host); gradient clipping then goes through
+``moetune.distributed.clip_grad_norm_``. Learning-rate changes reach the
 replays when the rate is a device tensor updated in place (torch's schedulers do that; see
 ``set_learning_rate``). Off CUDA the object runs the same steps eagerly.
 
@@ -72,6 +75,7 @@ class CUDAGraphTrainStep:
         self.max_grad_norm = max_grad_norm
         self.loss_fn = loss_fn
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._sharded = any(type(p).__name__ == "DTensor" for p in self.params)
         self.use_graphs = all(p.is_cuda for p in self.params) and torch.cuda.is_available()
         if self.use_graphs:
             _check_capturable(optimizer)
@@ -144,8 +148,12 @@ class CUDAGraphTrainStep:
 
     def _clip_and_step(self) -> None:
         if self.max_grad_norm is not None:
-            # foreach: no host synchronisation (error_if_nonfinite would add one).
-            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
+            if self._sharded:  # expert-parallel / FSDP2 DTensors on different meshes: moetune's clipping
+                from moetune.distributed import clip_grad_norm_
+
+                clip_grad_norm_(self.params, self.max_grad_norm)
+            else:  # foreach: no host synchronisation (error_if_nonfinite would add one).
+                torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
         self.optimizer.step()
 
     # -- capture --
@@ -165,8 +173,9 @@ class CUDAGraphTrainStep:
         except RuntimeError as error:
             raise RuntimeError(
                 "CUDA-graph step: capturing forward + backward failed; the step probably synchronises with "
-                "the host (expert parallelism's split sizes, the fp32 / loop experts path, .item() in a "
-                f"loss or hook). Train eagerly instead. Cause: {error}"
+                "the host (expert parallelism's all-to-all split sizes or FSDP2: use ep_dispatch='allgather' "
+                "with dense_parallel='replicate'; the fp32 / loop experts path; .item() in a loss or hook). "
+                f"Train eagerly instead. Cause: {error}"
             ) from error
         self._forward_backward_graph = graph
         self._static_grads = [p.grad for p in self.params]

@@ -574,6 +574,14 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
         rank, world_size, folder, what="allgather + replicate + AC", ep_size=world_size, enable_ac=True, **ALLGATHER_REPLICATE
     )
     one_step_parity(rank, world_size, folder, what="allgather + FSDP2", ep_size=world_size, ep_dispatch="allgather")
+    # torch's multi-tensor AdamW cannot take plain and DTensor parameters in one list: a clear error.
+    import pytest
+
+    model = _load(folder, ep_size=world_size, **ALLGATHER_REPLICATE)
+    distributed_loss(model, 0, rank, world_size, 64).backward()
+    with pytest.raises(ValueError, match="mixes replicated plain parameters with expert-parallel DTensors"):
+        torch.optim.AdamW(model.parameters(), foreach=True).step()
+    torch.optim.AdamW(model.parameters(), foreach=False).step()  # works, as does moetune.optim.AdamW
 
     from tests.conftest import tiny_qwen3_moe_config
 
