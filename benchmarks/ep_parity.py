@@ -118,7 +118,8 @@ def main() -> None:
     ).train()
     ref = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device).train()
     vocab = model.config.vocab_size
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    # foreach=False: replicated plain parameters and expert DTensors cannot share torch's multi-tensor kernels.
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2, foreach=False)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=1e-2)
     ref_params = dict(ref.named_parameters())
 

@@ -78,3 +78,13 @@ def test_linear_cross_entropy_matches_materialised_logits(num_items, chunk_rows)
     (h2, w2) = torch.autograd.grad(got * 3, (h, w))
     assert rel_err(got, expected) < 1e-12
     assert rel_err(h2, gh) < 1e-12 and rel_err(w2, gw) < 1e-12
+
+
+def test_linear_cross_entropy_refuses_a_second_backward():
+    """Its gradients are scaled in place and handed over: a second backward would scale them twice."""
+    h = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(10, 8, requires_grad=True)
+    loss = linear_cross_entropy(h, w, torch.randint(0, 10, (4,)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward per forward"):
+        loss.backward()

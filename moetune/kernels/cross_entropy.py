@@ -72,6 +72,15 @@ if HAS_TRITON:
             grad = tl.exp(x - lse) - tl.where(cols == safe_target, 1.0, 0.0)
             tl.store(base + cols, (grad * scale).to(logits_ptr.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _scale_unless_one_kernel(x_ptr, scale_ptr, num_elements, BLOCK: tl.constexpr):
+        scale = tl.load(scale_ptr).to(tl.float32)
+        if scale != 1.0:
+            offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            mask = offsets < num_elements
+            x = tl.load(x_ptr + offsets, mask=mask).to(tl.float32)
+            tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
 
 def cross_entropy_grad_(
     logits_CV: torch.Tensor,
@@ -96,3 +105,25 @@ def cross_entropy_grad_(
             BLOCK_V=_BLOCK_V, num_warps=16,
         )  # fmt: skip
     return loss_C
+
+
+_SCALE_BLOCK = 4096
+
+
+def scale_unless_one_(x: torch.Tensor, scale: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
+    """``x *= scale`` in place, reading nothing but the scalar when it is 1 (on CUDA).
+
+    The fused LM-head loss computes the head's gradient (vocab x hidden: 622 MB for Qwen3 in bf16)
+    in its forward and scales it by the loss's incoming gradient in backward, which is 1 for a
+    plain ``loss.backward()`` (aux loss added or not); the scale lives on the device, so the check
+    is in the kernel (no host sync) and costs one launch instead of a read and write of the tensor.
+    """
+    if not use_triton(impl, x, scale):
+        return x.mul_(scale.to(x.dtype))
+    assert x.is_contiguous(), "scale_unless_one_ needs a contiguous tensor"
+    scale = scale.to(device=x.device).reshape(1)
+    with device_of(x):
+        _scale_unless_one_kernel[(triton.cdiv(x.numel(), _SCALE_BLOCK),)](
+            x, scale, x.numel(), BLOCK=_SCALE_BLOCK, num_warps=8
+        )
+    return x

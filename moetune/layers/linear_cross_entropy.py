@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetune.kernels.cross_entropy import cross_entropy_grad_
+from moetune.kernels.cross_entropy import cross_entropy_grad_, scale_unless_one_
 
 IGNORE_INDEX = -100
 
@@ -54,13 +54,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 else:
                     grad_w_VH.addmm_(logits_CV.t(), h_CH)
         ctx.save_for_backward(grad_h_TH, grad_w_VH)
+        ctx.used = False
         return loss_sum / normalizer
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # The saved gradients are scaled in place and handed to autograd (no copy of the head's
+        # gradient), so they can serve one backward only.
+        if ctx.used:
+            raise RuntimeError("the fused LM-head loss supports one backward per forward (retain_graph is not supported)")
+        ctx.used = True
         grad_h_TH, grad_w_VH = ctx.saved_tensors
-        grad_h = grad_h_TH * grad_loss.to(grad_h_TH.dtype) if grad_h_TH is not None else None
-        grad_w = grad_w_VH * grad_loss.to(grad_w_VH.dtype) if grad_w_VH is not None else None
+        grad_h = scale_unless_one_(grad_h_TH, grad_loss) if grad_h_TH is not None else None
+        grad_w = scale_unless_one_(grad_w_VH, grad_loss) if grad_w_VH is not None else None
         return grad_h, grad_w, None, None, None, None
 
 

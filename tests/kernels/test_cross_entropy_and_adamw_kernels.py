@@ -26,6 +26,18 @@ def test_cross_entropy_grad_kernel_in_interpreter(interpret, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scale_unless_one_kernel_in_interpreter(interpret, dtype):
+    from moetune.kernels.cross_entropy import scale_unless_one_
+
+    x = torch.randn(10_000).to(dtype)
+    kept = x.clone()
+    assert scale_unless_one_(x, torch.tensor(1.0), impl="triton") is x
+    assert torch.equal(x, kept)
+    scale_unless_one_(x, torch.tensor(0.3), impl="triton")
+    torch.testing.assert_close(x.float(), (kept.float() * 0.3).to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_adamw_kernel_in_interpreter(interpret, dtype):
     from moetune.optim.adamw import _triton_step
 
