@@ -5,6 +5,10 @@
 runs in fp32 and the result is stored once in the input dtype (Transformers rounds silu(gate) to
 bf16 before the product; this kernel rounds only the product, so it differs by bf16 rounding).
 
+``num_valid`` (a device tensor) limits the work to the first rows: the expert-parallel dispatchers
+hand the experts row buffers sized for the worst case, whose tail is padding that the grouped GEMM
+skips; the kernels skip it too (its output rows, and their gradients, are left undefined).
+
 Shape legend: R = rows (every leading dim flattened), I = intermediate (expert) width.
 """
 
@@ -34,12 +38,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _swiglu_fwd_kernel(
-        g_ptr, u_ptr, y_ptr,
+        g_ptr, u_ptr, y_ptr, num_valid_ptr,
         num_rows, num_cols, stride_g, stride_u, stride_y,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_VALID:
+            num_rows = tl.minimum(num_rows, tl.load(num_valid_ptr).to(tl.int32))
         mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
         rows64 = rows.to(tl.int64)[:, None]
         g = tl.load(g_ptr + rows64 * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -49,12 +55,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _swiglu_bwd_kernel(
-        dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr,
+        dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, num_valid_ptr,
         num_rows, num_cols, stride_dy, stride_g, stride_u, stride_dg, stride_du,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if HAS_VALID:
+            num_rows = tl.minimum(num_rows, tl.load(num_valid_ptr).to(tl.int32))
         mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
         rows64 = rows.to(tl.int64)[:, None]
         dy = tl.load(dy_ptr + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -83,7 +91,14 @@ def _grid(num_rows: int, num_cols: int) -> tuple[tuple[int, int], int, int, int]
     return grid, block_m, block_n, warps_for(block_m * block_n)
 
 
-def _fwd_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _valid_arg(num_valid: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The kernels' (pointer, HAS_VALID) pair: a dummy pointer when every row is valid."""
+    if num_valid is None:
+        return like, False
+    return num_valid.reshape(1).to(like.device), True
+
+
+def _fwd_triton(gate: torch.Tensor, up: torch.Tensor, num_valid: torch.Tensor | None = None) -> torch.Tensor:
     g2d, u2d = _rows(gate), _rows(up)
     num_rows, num_cols = g2d.shape
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
@@ -91,15 +106,19 @@ def _fwd_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return y
     y2d = y.view(num_rows, num_cols)
     grid, block_m, block_n, num_warps = _grid(num_rows, num_cols)
+    valid_ptr, has_valid = _valid_arg(num_valid, g2d)
     with device_of(g2d):
         _swiglu_fwd_kernel[grid](
-            g2d, u2d, y2d, num_rows, num_cols, g2d.stride(0), u2d.stride(0), y2d.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            g2d, u2d, y2d, valid_ptr, num_rows, num_cols, g2d.stride(0), u2d.stride(0), y2d.stride(0),
+            HAS_VALID=has_valid, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip
     return y
 
 
-def _bwd_triton(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dg: torch.Tensor, du: torch.Tensor) -> None:
+def _bwd_triton(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dg: torch.Tensor, du: torch.Tensor,
+    num_valid: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """Write d(gate) into ``dg`` and d(up) into ``du`` (views with unit column stride)."""
     g2d, u2d, dy2d = _rows(gate), _rows(up), _rows(dy)
     dg2d, du2d = dg.view(-1, dg.shape[-1]), du.view(-1, du.shape[-1])
@@ -107,19 +126,23 @@ def _bwd_triton(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dg: torc
     if num_rows * num_cols == 0:
         return
     grid, block_m, block_n, num_warps = _grid(num_rows, num_cols)
+    valid_ptr, has_valid = _valid_arg(num_valid, g2d)
     with device_of(dy2d):
         _swiglu_bwd_kernel[grid](
-            dy2d, g2d, u2d, dg2d, du2d, num_rows, num_cols,
+            dy2d, g2d, u2d, dg2d, du2d, valid_ptr, num_rows, num_cols,
             dy2d.stride(0), g2d.stride(0), u2d.stride(0), dg2d.stride(0), du2d.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            HAS_VALID=has_valid, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip
 
 
-def _fwd_torch(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return swiglu_split_reference(gate, up)
+def _fwd_torch(gate: torch.Tensor, up: torch.Tensor, num_valid: torch.Tensor | None = None) -> torch.Tensor:
+    return swiglu_split_reference(gate, up)  # computes the padding rows too (allowed: undefined)
 
 
-def _bwd_torch(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dg: torch.Tensor, du: torch.Tensor) -> None:
+def _bwd_torch(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, dg: torch.Tensor, du: torch.Tensor,
+    num_valid: torch.Tensor | None = None,
+) -> None:  # fmt: skip
     """The kernel's backward math in torch ops (lets CPU tests gradcheck the formula)."""
     compute_dtype = torch.promote_types(gate.dtype, torch.float32)
     g, u, d = gate.to(compute_dtype), up.to(compute_dtype), dy.to(compute_dtype)
@@ -132,21 +155,21 @@ class SwiGLUFunction(torch.autograd.Function):
     """``[..., 2I] -> [..., I]``; the backward writes the whole ``[..., 2I]`` grad in one kernel."""
 
     @staticmethod
-    def forward(ctx, gate_up: torch.Tensor, backend: str) -> torch.Tensor:
+    def forward(ctx, gate_up: torch.Tensor, backend: str, num_valid: torch.Tensor | None = None) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        y = (_fwd_triton if backend == "triton" else _fwd_torch)(gate, up)
-        ctx.save_for_backward(gate_up)
+        y = (_fwd_triton if backend == "triton" else _fwd_torch)(gate, up, num_valid)
+        ctx.save_for_backward(gate_up, num_valid)
         ctx.backend = backend
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        (gate_up,) = ctx.saved_tensors
+        gate_up, num_valid = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)
         d_gate_up = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
         dg, du = d_gate_up.chunk(2, dim=-1)
-        (_bwd_triton if ctx.backend == "triton" else _bwd_torch)(dy, gate, up, dg, du)
-        return d_gate_up, None
+        (_bwd_triton if ctx.backend == "triton" else _bwd_torch)(dy, gate, up, dg, du, num_valid)
+        return d_gate_up, None, None
 
 
 class SwiGLUSplitFunction(torch.autograd.Function):
@@ -168,12 +191,15 @@ class SwiGLUSplitFunction(torch.autograd.Function):
         return dg, du, None
 
 
-def swiglu(gate_up: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
-    """``silu(gate) * up`` where ``gate, up = gate_up.chunk(2, dim=-1)``; returns ``[..., I]``."""
+def swiglu(gate_up: torch.Tensor, *, num_valid: torch.Tensor | None = None, impl: Impl = "auto") -> torch.Tensor:
+    """``silu(gate) * up`` where ``gate, up = gate_up.chunk(2, dim=-1)``; returns ``[..., I]``.
+
+    ``num_valid`` (1-element device tensor, 2-D input): rows from it on are padding, skipped by
+    the kernels (outputs and gradients undefined there)."""
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dim must be even (gate and up halves), got {gate_up.shape[-1]}")
     if use_triton(impl, gate_up):
-        return SwiGLUFunction.apply(gate_up, "triton")
+        return SwiGLUFunction.apply(gate_up, "triton", num_valid)
     return swiglu_reference(gate_up)
 
 

@@ -123,3 +123,20 @@ def test_auto_uses_triton_on_gpu_without_host_sync():
         torch.autograd.grad(y, (gate_up,), torch.ones_like(y))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_swiglu_num_valid_skips_padding_rows_in_interpreter(interpret):
+    """Rows from ``num_valid`` on are padding: the valid rows and their gradients equal the
+    reference's; the padding rows are not computed (their inputs hold NaN and nothing leaks)."""
+    torch.manual_seed(0)
+    gate_up = torch.randn(7, 2 * 24)
+    gate_up[5:] = float("nan")
+    gate_up.requires_grad_()
+    dy = torch.randn(7, 24)
+    out = swiglu(gate_up, num_valid=torch.tensor([5]), impl="triton")
+    (grad,) = torch.autograd.grad(out, gate_up, dy)
+    valid = gate_up.detach()[:5].clone().requires_grad_()
+    expected = swiglu_reference(valid)
+    (expected_grad,) = torch.autograd.grad(expected, valid, dy[:5])
+    torch.testing.assert_close(out[:5], expected)
+    torch.testing.assert_close(grad[:5], expected_grad)
