@@ -5,9 +5,11 @@ copies of the tokens are sorted by expert, ``order_N[n]`` is the routed slot ``t
 sorted row n, so the dispatch gather is ``x_TH[order_N // K]`` and the combine is
 ``out_TH[t] = sum_k weights_TK[t, k] * y_NH[inverse(order_N)[t * K + k]]``.
 
-- ``moe_permute(x_TH, order_N, top_k)``: the gather. Forward copies rows; the backward is a
-  gather-sum over the K copies of each token (fp32 accumulation, deterministic), instead of the
-  atomic ``index_add_`` that autograd uses for ``index_select``.
+- ``moe_permute(x_TH, order_N, top_k, *, num_valid)``: the gather. Forward copies rows; the backward
+  is a gather-sum over the K copies of each token (fp32 accumulation, deterministic), instead of the
+  atomic ``index_add_`` that autograd uses for ``index_select``; sorted rows ``>= num_valid`` (a
+  device count: padding) are left out of it. ``permute_rows`` / ``permute_rows_backward`` are the
+  two halves without autograd, for a Function that gathers inside (the experts' first GEMM).
 - ``moe_combine(y_NH, weights_TK, order_N)``: weighted sum of each token's K expert rows in fp32,
   one program per token. Backward: one program per sorted row writes ``weight * dout[token]`` and
   the weight's gradient ``dot(dout[token], y[n])``.
@@ -77,18 +79,25 @@ if HAS_TRITON:
 
     @triton.jit
     def _sum_rows_kernel(
-        y_ptr, inverse_ptr, w_ptr, out_ptr,
+        y_ptr, inverse_ptr, w_ptr, num_valid_ptr, out_ptr,
         num_cols, top_k, stride_y, stride_out,
-        HAS_WEIGHTS: tl.constexpr, BLOCK_H: tl.constexpr,
+        HAS_WEIGHTS: tl.constexpr, HAS_NUM_VALID: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
-        # Token t = program (axis 0), column block (axis 1): out[t] = sum_k w[t, k] * y[inverse[t * K + k]].
+        # Token t = program (axis 0), column block (axis 1): out[t] = sum_k w[t, k] * y[inverse[t * K + k]],
+        # skipping sorted rows >= num_valid (never loaded: their memory may hold NaNs).
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = cols < num_cols
+        num_valid = 0
+        if HAS_NUM_VALID:
+            num_valid = tl.load(num_valid_ptr).to(tl.int64)
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for k in range(0, top_k):
             row = tl.load(inverse_ptr + t * top_k + k).to(tl.int64)
-            y = tl.load(y_ptr + row * stride_y + cols, mask=mask, other=0.0).to(tl.float32)
+            row_mask = mask
+            if HAS_NUM_VALID:
+                row_mask = mask & (row < num_valid)
+            y = tl.load(y_ptr + row * stride_y + cols, mask=row_mask, other=0.0).to(tl.float32)
             if HAS_WEIGHTS:
                 y = y * tl.load(w_ptr + t * top_k + k).to(tl.float32)
             acc += y
@@ -123,9 +132,11 @@ def _gather_rows_triton(
 
 
 def _sum_rows_triton(
-    y: torch.Tensor, inverse_N: torch.Tensor, top_k: int, *, weights: torch.Tensor | None = None
-) -> torch.Tensor:
-    """out[t] = sum_k weights[t*K + k] * y[inverse[t*K + k]] in fp32, stored in y's dtype."""
+    y: torch.Tensor, inverse_N: torch.Tensor, top_k: int, *,
+    weights: torch.Tensor | None = None, num_valid: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """out[t] = sum_k weights[t*K + k] * y[inverse[t*K + k]] in fp32, stored in y's dtype; with
+    ``num_valid`` (a one-element device tensor) the rows ``inverse[...] >= num_valid`` are left out."""
     y = _rows(y)
     num_tokens, num_cols = inverse_N.numel() // top_k, y.shape[1]
     out = torch.empty((num_tokens, num_cols), dtype=y.dtype, device=y.device)
@@ -134,9 +145,10 @@ def _sum_rows_triton(
     block_h = min(next_pow2(num_cols), _MAX_BLOCK_H)
     with device_of(y):
         _sum_rows_kernel[(num_tokens, triton.cdiv(num_cols, block_h))](
-            y, inverse_N, weights if weights is not None else y, out,
+            y, inverse_N, weights if weights is not None else y, num_valid if num_valid is not None else inverse_N, out,
             num_cols, top_k, y.stride(0), out.stride(0),
-            HAS_WEIGHTS=weights is not None, BLOCK_H=block_h, num_warps=warps_for(block_h),
+            HAS_WEIGHTS=weights is not None, HAS_NUM_VALID=num_valid is not None,
+            BLOCK_H=block_h, num_warps=warps_for(block_h),
         )  # fmt: skip
     return out
 
@@ -153,28 +165,44 @@ def _gather_rows_torch(x, order_N, top_k, *, weights=None, y_for_dot=None):
     return out.to(x.dtype), dw
 
 
-def _sum_rows_torch(y, inverse_N, top_k, *, weights=None):
+def _sum_rows_torch(y, inverse_N, top_k, *, weights=None, num_valid=None):
     compute_dtype = torch.promote_types(y.dtype, torch.float32)
     rows = y.index_select(0, inverse_N).to(compute_dtype)
+    if num_valid is not None:  # where, not a multiply: padding rows may hold NaNs
+        rows = torch.where((inverse_N < num_valid.reshape(()))[:, None], rows, 0.0)
     if weights is not None:
         rows = rows * weights.to(compute_dtype)[:, None]
     return rows.view(-1, top_k, y.shape[1]).sum(1).to(y.dtype)
 
 
+def permute_rows(x_TH: torch.Tensor, order_N: torch.Tensor, top_k: int, *, impl: Impl = "auto") -> torch.Tensor:
+    """``moe_permute``'s forward alone, outside autograd: ``x_TH[order_N // top_k]``."""
+    gather = _gather_rows_triton if use_triton(impl, x_TH, order_N) else _gather_rows_torch
+    return gather(x_TH, order_N, top_k)[0]
+
+
+def permute_rows_backward(
+    dx_NH: torch.Tensor, order_N: torch.Tensor, top_k: int, *,
+    num_valid: torch.Tensor | None = None, impl: Impl = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """``moe_permute``'s backward alone: each token's K sorted rows of ``dx_NH`` summed in fp32 (no
+    atomics, deterministic), leaving out the sorted rows ``>= num_valid`` (padding)."""
+    sum_rows = _sum_rows_triton if use_triton(impl, dx_NH, order_N) else _sum_rows_torch
+    return sum_rows(dx_NH, inverse_order(order_N), top_k, num_valid=num_valid)
+
+
 class MoEPermuteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TH, order_N, top_k: int, backend: str):
-        gather = _gather_rows_triton if backend == "triton" else _gather_rows_torch
-        x_NH, _ = gather(x_TH, order_N, top_k)
-        ctx.save_for_backward(order_N)
+    def forward(ctx, x_TH, order_N, top_k: int, backend: str, num_valid=None):
+        ctx.save_for_backward(order_N, num_valid)
         ctx.top_k, ctx.backend = top_k, backend
-        return x_NH
+        return permute_rows(x_TH, order_N, top_k, impl=backend)
 
     @staticmethod
     def backward(ctx, dx_NH):
-        (order_N,) = ctx.saved_tensors
-        sum_rows = _sum_rows_triton if ctx.backend == "triton" else _sum_rows_torch
-        return sum_rows(dx_NH, inverse_order(order_N), ctx.top_k), None, None, None
+        order_N, num_valid = ctx.saved_tensors
+        dx_TH = permute_rows_backward(dx_NH, order_N, ctx.top_k, num_valid=num_valid, impl=ctx.backend)
+        return dx_TH, None, None, None, None
 
 
 class MoECombineFunction(torch.autograd.Function):
@@ -208,16 +236,25 @@ def _check_order(order_N: torch.Tensor, num_slots: int) -> None:
         raise TypeError(f"order_N must be int32 or int64, got {order_N.dtype}")
 
 
-def moe_permute(x_TH: torch.Tensor, order_N: torch.Tensor, top_k: int, *, impl: Impl = "auto") -> torch.Tensor:
+def moe_permute(
+    x_TH: torch.Tensor, order_N: torch.Tensor, top_k: int, *,
+    num_valid: torch.Tensor | None = None, impl: Impl = "auto",
+) -> torch.Tensor:  # fmt: skip
     """``x_TH[order_N // top_k]``: the routed copies sorted by expert, with an atomics-free backward.
 
     ``order_N`` must be a permutation of ``range(T * top_k)`` (checked by shape only: no host sync).
+    ``num_valid`` (a one-element integer tensor on ``x_TH``'s device): sorted rows from there on are
+    padding whose gradient is dropped, not summed into ``x_TH``'s (it may be undefined memory).
     """
     _check_order(order_N, x_TH.shape[0] * top_k)
     if x_TH.dim() != 2:
         raise ValueError(f"x_TH must be [T, H], got {tuple(x_TH.shape)}")
+    if num_valid is not None and num_valid.numel() != 1:
+        raise ValueError(f"num_valid must hold one count, got shape {tuple(num_valid.shape)}")
     if use_triton(impl, x_TH, order_N):
-        return MoEPermuteFunction.apply(x_TH, order_N.contiguous(), top_k, "triton")
+        return MoEPermuteFunction.apply(x_TH, order_N.contiguous(), top_k, "triton", num_valid)
+    if num_valid is not None:
+        return MoEPermuteFunction.apply(x_TH, order_N, top_k, "torch", num_valid)
     return moe_permute_reference(x_TH, order_N, top_k)
 
 

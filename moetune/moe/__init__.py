@@ -1,7 +1,14 @@
 """The MoE layer's parts: routers, token dispatch, grouped experts, aux loss. See README.md."""
 
 from moetune.moe.aux_loss import capture_router_logits, load_balancing_loss
-from moetune.moe.dispatch import LocalTokenDispatcher, TokenDispatcher, permute, tokens_per_expert, unpermute
+from moetune.moe.dispatch import (
+    LocalTokenDispatcher,
+    TokenDispatcher,
+    permute,
+    sort_by_expert,
+    tokens_per_expert,
+    unpermute,
+)
 from moetune.moe.experts import GroupedExperts
 from moetune.moe.layer import MoEBlock
 from moetune.moe.routing import (
@@ -27,6 +34,7 @@ __all__ = [
     "capture_router_logits",
     "load_balancing_loss",
     "permute",
+    "sort_by_expert",
     "tokens_per_expert",
     "unpermute",
 ]

@@ -18,11 +18,13 @@ from typing import Any, Protocol
 import torch
 
 from moetune.kernels import moe_combine, moe_permute
+from moetune.moe.experts import GroupedExperts
 from moetune.moe.routing import Routing
 
 
-Experts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-"""``experts(rows sorted by local expert, rows per local expert) -> output rows`` (a ``GroupedExperts``)."""
+Experts = Callable[..., torch.Tensor]
+"""``experts(rows sorted by local expert, rows per local expert) -> output rows`` (a ``GroupedExperts``).
+A ``GroupedExperts`` also takes ``gather_order=`` / ``gather_top_k=`` and gathers its rows itself."""
 
 
 class TokenDispatcher(Protocol):
@@ -41,13 +43,24 @@ class TokenDispatcher(Protocol):
         return self.combine(apply_experts(experts, x_NH, counts), state)
 
 
-def apply_experts(experts: Experts, x_NH: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``experts(x_NH, counts)``, made a function of ``x_NH`` also when it has no rows. An experts module
+def apply_experts(
+    experts: Experts,
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    gather_order: torch.Tensor | None = None,
+    gather_top_k: int = 1,
+) -> torch.Tensor:
+    """``experts(x, counts)``, made a function of ``x`` also when it has no rows. An experts module
     given no rows may return an output that ignores them; autograd would then skip this rank's backward
     of the all-to-all that delivered them, while the ranks that sent it rows run theirs: the
-    collectives would pair up wrongly."""
-    y_NH = experts(x_NH, counts)
-    return y_NH + 0 * x_NH.sum() if x_NH.shape[0] == 0 else y_NH
+    collectives would pair up wrongly. With ``gather_order`` (a ``GroupedExperts`` only) ``x`` is the
+    un-gathered source rows and the experts gather ``x[gather_order // gather_top_k]`` themselves."""
+    if gather_order is None:
+        y_NH = experts(x, counts)
+    else:
+        y_NH = experts(x, counts, gather_order=gather_order, gather_top_k=gather_top_k)
+    return y_NH + 0 * x.sum() if x.shape[0] == 0 else y_NH
 
 
 def tokens_per_expert(experts_N: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -63,13 +76,18 @@ class PermutationState:
     weights_TK: torch.Tensor
 
 
-def permute(x_TH: torch.Tensor, routing: Routing, *, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, PermutationState]:
-    """Sort the T*K routed copies of the tokens by expert (stable, so equal experts keep token order)."""
-    top_k = routing.experts_TK.shape[1]
+def sort_by_expert(routing: Routing, *, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, PermutationState]:
+    """The order that sorts the T*K routed slots by expert (stable, so equal experts keep token order):
+    (``order_N``, tokens per expert, state for ``unpermute``)."""
     experts_N = routing.experts_TK.reshape(-1)
     order_N = torch.argsort(experts_N, stable=True)
-    x_NH = moe_permute(x_TH, order_N, top_k)
-    return x_NH, tokens_per_expert(experts_N, num_experts), PermutationState(order_N, routing.weights_TK)
+    return order_N, tokens_per_expert(experts_N, num_experts), PermutationState(order_N, routing.weights_TK)
+
+
+def permute(x_TH: torch.Tensor, routing: Routing, *, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, PermutationState]:
+    """Sort the T*K routed copies of the tokens by expert: (rows, tokens per expert, state)."""
+    order_N, counts_E, state = sort_by_expert(routing, num_experts=num_experts)
+    return moe_permute(x_TH, order_N, routing.experts_TK.shape[1]), counts_E, state
 
 
 def unpermute(y_NH: torch.Tensor, state: PermutationState) -> torch.Tensor:
@@ -79,10 +97,21 @@ def unpermute(y_NH: torch.Tensor, state: PermutationState) -> torch.Tensor:
 
 
 class LocalTokenDispatcher(TokenDispatcher):
-    """Single device (or no expert parallelism): permutation only, no communication, no host sync."""
+    """Single device (or no expert parallelism): permutation only, no communication, no host sync.
+
+    ``run`` hands a ``GroupedExperts`` the tokens un-gathered, with the order: it gathers them inside
+    its first GEMM and keeps only the tokens for the backward, not the K-times larger sorted copy
+    (``moetune.moe.experts.GatheredGroupedMM``). Other experts get the sorted rows."""
 
     def dispatch(self, x_TH, routing, *, num_experts):
         return permute(x_TH, routing, num_experts=num_experts)
 
     def combine(self, y_NH, state):
+        return unpermute(y_NH, state)
+
+    def run(self, x_TH, routing, experts, *, num_experts):
+        if not isinstance(experts, GroupedExperts):
+            return super().run(x_TH, routing, experts, num_experts=num_experts)
+        order_N, counts_E, state = sort_by_expert(routing, num_experts=num_experts)
+        y_NH = apply_experts(experts, x_TH, counts_E, gather_order=order_N, gather_top_k=routing.experts_TK.shape[1])
         return unpermute(y_NH, state)

@@ -3,8 +3,9 @@
 The module knows nothing about communication: expert parallelism hands it the tokens of its
 local experts (already permuted) and the count per local expert.
 
-Shape legend: N routed rows (token-expert pairs) sorted by expert, H hidden, I expert width,
-E experts held by this module.
+Shape legend: N routed rows (token-expert pairs) sorted by expert, T source rows (tokens), K routed
+copies per token, H hidden, I expert width, X first projection's width (2I gated, I plain), E experts
+held by this module.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetune.kernels import swiglu
+from moetune.kernels import moe_permute, swiglu
+from moetune.kernels._triton_utils import Impl
+from moetune.kernels.permute import permute_rows, permute_rows_backward
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -89,7 +92,17 @@ class GroupedExperts(nn.Module):
     def in_proj(self) -> torch.Tensor:
         return getattr(self, self._in_name)
 
-    def forward(self, x_NH: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        tokens_per_expert_E: torch.Tensor,
+        *,
+        gather_order: torch.Tensor | None = None,
+        gather_top_k: int = 1,
+    ) -> torch.Tensor:
+        """Output rows [N, H] for input rows sorted by expert (``x`` is [N, H]), or, with
+        ``gather_order``, for the rows ``x[gather_order // gather_top_k]`` (``x`` is [T, H], N = T * K):
+        see ``run_experts``."""
         in_proj, down_proj = _local(self.in_proj), _local(self.down_proj)
         if self.is_transposed:  # views in the [E, out, in] layout run_experts takes
             in_proj, down_proj = in_proj.transpose(-2, -1), down_proj.transpose(-2, -1)
@@ -97,8 +110,9 @@ class GroupedExperts(nn.Module):
         if self.has_bias:
             biases = {"in_bias": _local(getattr(self, f"{self._in_name}_bias")), "down_bias": _local(self.down_proj_bias)}
         return run_experts(
-            x_NH, tokens_per_expert_E, in_proj, down_proj, activate=self._activate, backend=self.backend, **biases
-        )
+            x, tokens_per_expert_E, in_proj, down_proj, activate=self._activate, backend=self.backend,
+            gather_order=gather_order, gather_top_k=gather_top_k, **biases,
+        )  # fmt: skip
 
     def _activate(self, h_NX: torch.Tensor) -> torch.Tensor:
         if self.activation == "clamped_swiglu":
@@ -131,7 +145,7 @@ def gated_activation(h_NX: torch.Tensor, act, *, swiglu_kernel: bool) -> torch.T
 
 
 def run_experts(
-    x_NH: torch.Tensor,
+    x: torch.Tensor,
     tokens_per_expert_E: torch.Tensor,
     in_proj: torch.Tensor,
     down_proj: torch.Tensor,
@@ -140,24 +154,40 @@ def run_experts(
     backend: str = "auto",
     in_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
+    gather_order: torch.Tensor | None = None,
+    gather_top_k: int = 1,
 ) -> torch.Tensor:
-    """down_e(activate(in_e(x))) for rows sorted by expert e; weights [E, out, in] (nn.Linear layout),
+    """down_e(activate(in_e(rows))) for rows sorted by expert e; weights [E, out, in] (nn.Linear layout),
     optional biases [E, out].
 
-    Rows past ``tokens_per_expert_E.sum()`` are padding (capacity-padded expert parallelism): the
-    grouped GEMM skips them (their output rows are undefined) and the loop gives them zeros.
+    The rows are ``x`` [N, H] itself, or with ``gather_order`` (N = T * K entries, a permutation of the
+    routed slots) ``x[gather_order // gather_top_k]`` for ``x`` [T, H]: the experts gather their input
+    themselves and keep only ``x`` for the backward (see ``GatheredGroupedMM``).
+
+    Rows past ``tokens_per_expert_E.sum()`` are padding (capacity-padded or all-gathered expert
+    parallelism): the grouped GEMM skips them (their output rows are undefined), the loop gives them
+    zeros, and neither lets them reach the gradients of ``x`` or of the biases.
     """
-    if backend == "grouped_mm" or (backend == "auto" and grouped_mm_supported(x_NH)):
+    if gather_order is not None:
+        _check_gather(x, gather_order, gather_top_k)
+    if backend == "grouped_mm" or (backend == "auto" and grouped_mm_supported(x)):
         # No host sync: the group boundaries stay on the device.
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
+        x, w_EHX = x.to(in_proj.dtype), in_proj.transpose(-2, -1)
+        if gather_order is None:
+            h_NX = _grouped_mm(x, w_EHX, offs=offsets_E)
+        else:
+            h_NX = GatheredGroupedMM.apply(x, w_EHX, gather_order, offsets_E, gather_top_k)
         expert_N = None
         if in_bias is not None or down_bias is not None:
-            rows = torch.arange(x_NH.shape[0], device=x_NH.device, dtype=torch.int32)
-            expert_N = torch.searchsorted(offsets_E, rows, right=True).clamp_(max=offsets_E.shape[0] - 1)
-        h_NX = _grouped_mm(x_NH.to(in_proj.dtype), in_proj.transpose(-2, -1), offs=offsets_E)
-        h_NX = h_NX if in_bias is None else h_NX + in_bias.index_select(0, expert_N)
+            rows = torch.arange(h_NX.shape[0], device=x.device, dtype=torch.int32)
+            expert_N = torch.searchsorted(offsets_E, rows, right=True)  # E for padding rows
+        h_NX = h_NX if in_bias is None else h_NX + _bias_rows(in_bias, expert_N)
         y_NH = _grouped_mm(activate(h_NX), down_proj.transpose(-2, -1), offs=offsets_E)
-        return y_NH if down_bias is None else y_NH + down_bias.index_select(0, expert_N)
+        return y_NH if down_bias is None else y_NH + _bias_rows(down_bias, expert_N)
+    if gather_order is not None:
+        num_valid = tokens_per_expert_E.sum().reshape(1)
+        x = moe_permute(x, gather_order, gather_top_k, num_valid=num_valid)
     # One host sync for the split sizes; used on CPU and as the reference path.
     counts = tokens_per_expert_E.tolist()
     outputs = [
@@ -166,10 +196,10 @@ def run_experts(
             down_proj[expert],
             None if down_bias is None else down_bias[expert],
         )
-        for expert, rows_NH in enumerate(torch.split(x_NH[: sum(counts)], counts))
+        for expert, rows_NH in enumerate(torch.split(x[: sum(counts)], counts))
         if rows_NH.shape[0] > 0
     ]
-    padding_NH = x_NH[sum(counts) :]
+    padding_NH = x[sum(counts) :]
     if padding_NH.shape[0] or not outputs:
         # Padding rows give zeros. With no real rows the weights and the (empty) input still join the
         # graph, so every rank's backward has the same shape: FSDP2's post-backward hook on the input
@@ -178,6 +208,62 @@ def run_experts(
         weights = [t for t in (in_proj, down_proj, in_bias, down_bias) if t is not None]
         outputs.append(zeros + 0 * (sum(t.sum() for t in weights) + padding_NH.sum()))
     return torch.cat(outputs)
+
+
+def _bias_rows(bias_EO: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
+    """Each row's expert bias; padding rows (expert E) read an appended zero row, so the undefined
+    gradient of those rows lands there and not on the last expert's bias."""
+    return F.pad(bias_EO, (0, 0, 0, 1)).index_select(0, expert_N)
+
+
+def _check_gather(x_TH: torch.Tensor, gather_order: torch.Tensor, top_k: int) -> None:
+    if x_TH.dim() != 2 or gather_order.dim() != 1 or gather_order.numel() != x_TH.shape[0] * top_k:
+        raise ValueError(
+            f"gather_order must list the {top_k} routed slots of each of x's rows, got x {tuple(x_TH.shape)} "
+            f"and gather_order {tuple(gather_order.shape)} with gather_top_k={top_k}"
+        )
+    if gather_order.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"gather_order must be int32 or int64, got {gather_order.dtype}")
+
+
+class GatheredGroupedMM(torch.autograd.Function):
+    """``_grouped_mm(x_TH[order_N // K], w_EHX, offs=offsets_E)`` that keeps ``x_TH`` for the backward
+    instead of the gathered rows.
+
+    Why: the experts' first GEMM is the only consumer of the permuted tokens, and autograd's
+    ``_grouped_mm`` saves its input for the weight gradient: a second copy of the tokens, K times the
+    size of ``x_TH`` (32768 x 2048 bf16 rows are 134 MB per layer). This Function saves only ``x_TH``
+    (often kept anyway: the router's and the shared experts' linears save it), ``order_N``, the weight
+    and the offsets, and the backward gathers the rows again (one bandwidth-bound copy) for the
+    weight-gradient GEMM. The data gradient goes back to ``x_TH`` through the permutation's
+    deterministic gather-sum, which skips sorted rows ``>= offsets_E[-1]``: those are padding, where
+    the GEMM writes nothing (their gradient rows are uninitialised memory). No host sync: CUDA-graph
+    capturable. ``impl`` picks the gather kernels as ``moe_permute``'s does (Triton on CUDA; tests
+    force it on CPU under the interpreter).
+    """
+
+    @staticmethod
+    def forward(ctx, x_TH, w_EHX, order_N, offsets_E, top_k: int, impl: Impl = "auto"):
+        ctx.save_for_backward(x_TH, w_EHX, order_N, offsets_E)
+        ctx.top_k, ctx.impl = top_k, impl
+        return _grouped_mm(permute_rows(x_TH, order_N, top_k, impl=impl), w_EHX, offs=offsets_E)
+
+    @staticmethod
+    def backward(ctx, dh_NX):
+        x_TH, w_EHX, order_N, offsets_E = ctx.saved_tensors
+        dh_NX = dh_NX.contiguous()
+        dx_TH = dw_EHX = None
+        if ctx.needs_input_grad[0]:
+            dx_NH = _grouped_mm(dh_NX, w_EHX.transpose(-2, -1), offs=offsets_E)
+            dx_TH = permute_rows_backward(dx_NH, order_N, ctx.top_k, num_valid=offsets_E[-1:], impl=ctx.impl)
+        if ctx.needs_input_grad[1]:
+            x_NH = permute_rows(x_TH, order_N, ctx.top_k, impl=ctx.impl)  # the copy the forward did not keep
+            # torch's own _grouped_mm_mat2_backward: a column-major weight gets a column-major gradient.
+            if w_EHX.stride(-2) == 1 and w_EHX.stride(-1) == w_EHX.shape[-2]:
+                dw_EHX = _grouped_mm(dh_NX.t(), x_NH, offs=offsets_E).transpose(-2, -1)
+            else:
+                dw_EHX = _grouped_mm(x_NH.t(), dh_NX, offs=offsets_E)
+        return dx_TH, dw_EHX, None, None, None, None
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -126,6 +126,8 @@ def test_permute_and_combine_compile_for_hopper(compile_only, dtype, hidden):
     order_N = torch.randperm(num_tokens * top_k)
     x_TH = torch.zeros(num_tokens, hidden, dtype=dtype, requires_grad=True)
     _fwd_bwd(moe_permute(x_TH, order_N, top_k, impl="triton"), (x_TH,))
+    num_valid = torch.tensor([num_tokens * top_k - 5], dtype=torch.int32)  # padding rows masked in backward
+    _fwd_bwd(moe_permute(x_TH, order_N, top_k, num_valid=num_valid, impl="triton"), (x_TH,))
     y_NH = torch.zeros(num_tokens * top_k, hidden, dtype=dtype, requires_grad=True)
     weights_TK = torch.rand(num_tokens, top_k, requires_grad=True)
     _fwd_bwd(moe_combine(y_NH, weights_TK, order_N, impl="triton"), (y_NH, weights_TK))

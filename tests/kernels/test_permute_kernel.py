@@ -136,3 +136,68 @@ def test_auto_uses_triton_on_gpu_without_host_sync():
         torch.autograd.grad(out, (x_TH, weights_TK), torch.ones_like(out))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _check_num_valid(num_tokens, top_k, hidden, dtype, impl):
+    """Sorted rows >= num_valid are padding: NaN upstream gradients there never reach x."""
+    order_N, _ = routing(num_tokens, top_k, 4)
+    num_valid = num_tokens * top_k - 3
+    x_TH = torch.randn(num_tokens, hidden, dtype=dtype, requires_grad=True)
+    count = torch.tensor([num_valid], dtype=torch.int32)
+    x_NH = moe_permute(x_TH, order_N, top_k, num_valid=count, impl=impl)
+    assert torch.equal(x_NH, x_TH.detach()[order_N // top_k])
+    d_NH = torch.randn_like(x_NH)
+    d_NH[num_valid:] = float("nan")
+    (dx,) = torch.autograd.grad(x_NH, (x_TH,), d_NH)
+    exact = torch.zeros(num_tokens, hidden).index_add_(0, order_N[:num_valid] // top_k, d_NH[:num_valid].float())
+    assert dx.dtype == dtype and torch.isfinite(dx).all()
+    if dtype == torch.float32:
+        fp32_close(dx, exact, atol=1e-5, rtol=1e-5)
+    else:
+        bf16_close(dx, exact)
+
+
+def test_num_valid_masks_padding_gradient_torch():
+    torch.manual_seed(0)
+    _check_num_valid(5, 3, 16, torch.float32, "torch")
+    with pytest.raises(ValueError, match="num_valid must hold one count"):
+        moe_permute(torch.randn(2, 4), torch.arange(4), 2, num_valid=torch.tensor([1, 2]))
+
+
+def test_num_valid_backward_gradcheck_float64():
+    torch.manual_seed(0)
+    order_N, _ = routing(4, 2, 3)
+    x_TH = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    count = torch.tensor([5])
+    assert torch.autograd.gradcheck(lambda x: MoEPermuteFunction.apply(x, order_N, 2, "torch", count)[:5], (x_TH,))
+
+
+@pytest.mark.parametrize(
+    "num_tokens, top_k, hidden, dtype",
+    [(5, 3, 37, torch.float32), (3, 2, 3000, torch.float32), (6, 4, 64, torch.bfloat16)],
+)
+def test_num_valid_kernel_in_interpreter(interpret, num_tokens, top_k, hidden, dtype):
+    torch.manual_seed(0)
+    _check_num_valid(num_tokens, top_k, hidden, dtype, "triton")
+
+
+def test_gathered_grouped_mm_kernels_in_interpreter(interpret):
+    """The experts' gathered first GEMM with the Triton gather and masked gather-sum (CPU _grouped_mm)
+    equals its torch twin; padding rows' NaN gradients reach neither x nor the weight."""
+    from moetune.moe.experts import GatheredGroupedMM
+
+    torch.manual_seed(0)
+    num_tokens, top_k, hidden, width = 6, 2, 16, 8
+    order_N, _ = routing(num_tokens, top_k, 4)
+    offsets_E = torch.tensor([3, 3, 7, 9], dtype=torch.int32)  # 9 of 12 rows valid, one empty expert
+    w_EXH = torch.randn(4, width, hidden, requires_grad=True)
+    x_TH = torch.randn(num_tokens, hidden, requires_grad=True)
+    d_NX = torch.randn(num_tokens * top_k, width)
+    d_NX[9:] = float("nan")
+    results = []
+    for impl in ("triton", "torch"):
+        h_NX = GatheredGroupedMM.apply(x_TH, w_EXH.transpose(-2, -1), order_N, offsets_E, top_k, impl)
+        results.append((h_NX[:9], *torch.autograd.grad(h_NX, (x_TH, w_EXH), d_NX)))
+    for got, expected in zip(*results):
+        assert torch.isfinite(got).all()
+        fp32_close(got, expected, atol=1e-5, rtol=1e-5)
