@@ -9,7 +9,8 @@
 #     parity     EP bf16 parity vs one process, plain and pipelined dispatchers (benchmarks/ep_parity.py)
 #     rowB       both sides, gradients reduced in bf16, moetune with EP_CHUNKS (default 1: no pipelining) chunks
 #     chunks     moetune alone with 1, 2 and 4 chunks (the pipelined dispatcher's effect)
-#     onegpu16l  moetune alone on GPU 0 at 16 layers, eager and graphed (the 90% reference)
+#     onegpu16l  moetune alone on GPU 0 at 16 layers, eager and graphed (the 90% reference;
+#                ONEGPU_MODES=graph: graphed only)
 #     paritygraph  EP bf16 parity with ep_dispatch=allgather + dense_parallel=replicate, and CUDA-graph
 #                replays of that step equal to its eager step (benchmarks/ep_parity.py --cuda-graph)
 #     rowBgraph  rows B and C with moetune's expert-parallel step captured in CUDA graphs (all-gather
@@ -80,7 +81,8 @@ fi
 
 if stage onegpu16l; then
   echo "== moetune alone on one GPU, ${LAYERS:-16} layers, eager then graphed"
-  for graph in "" --moetune-cuda-graph; do
+  for mode in ${ONEGPU_MODES:-eager graph}; do
+    graph=""; [[ "$mode" == graph ]] && graph=--moetune-cuda-graph
     # shellcheck disable=SC2086
     CUDA_VISIBLE_DEVICES=0 timeout 150 python -m moetune.bench --out "$OUT" --layers "${LAYERS:-16}" --seq-len 4096 \
       --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune $graph ${EXTRA:-} || status=1

@@ -13,8 +13,9 @@ the ~T * K * (ep - 1) / ep routed copies: fewer bytes whenever ep <= K (4x fewer
 Rows: the experts' row buffer holds all ep * T * K routed copies of the gathered tokens, those of
 local experts first (sorted by expert) and the rest as padding that the grouped GEMM skips; the
 experts take the gathered tokens and the order (``gather_order``) and keep no second copy of the
-rows for the backward. Outputs are combined per token in fp32 and reduce-scattered in the model
-dtype (one more rounding than the all-to-all path in bf16; exact in fp32).
+rows for the backward; the permutation, SwiGLU and combine kernels skip the padding rows (their
+count stays on the device). Outputs are combined per token in fp32 and reduce-scattered in the
+model dtype (one more rounding than the all-to-all path in bf16; exact in fp32).
 
 Every rank of the ep group must pass the same number of tokens (pack or pad micro-batches to one
 shape). Eager calls check it (one host synchronisation per layer, as the all-to-all dispatcher);
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from moetune.distributed.dispatcher import scale_grad
 from moetune.kernels import moe_combine, moe_permute
 from moetune.moe.dispatch import TokenDispatcher, apply_experts, tokens_per_expert
+from moetune.moe.experts import GroupedExperts
 from moetune.moe.routing import Routing
 
 # torch >= 2.13 renamed the tensor collectives; older versions only have the first names.
@@ -107,20 +109,20 @@ class AllGatherExpertParallelDispatcher(TokenDispatcher):
         experts_GK = _gather(routing.experts_TK, group, ep)  # integer ids: no gradient
         # Local expert id, or num_local for copies routed to another rank (sorted last: padding).
         local_GK = experts_GK - self.rank * num_local
-        is_local_GK = (local_GK >= 0) & (local_GK < num_local)
-        key_N = torch.where(is_local_GK, local_GK, num_local).reshape(-1)
+        key_N = torch.where((local_GK >= 0) & (local_GK < num_local), local_GK, num_local).reshape(-1)
         order_N = torch.argsort(key_N, stable=True)
         counts_L = tokens_per_expert(key_N, num_local + 1)[:num_local]
+        num_valid = counts_L.sum().reshape(1)  # this rank's rows; the rest of the ep*T*K slots are padding
         # Expert weights' gradients: see dispatcher.rows_by_source (scaled by 1/ep entering the
         # experts, by ep leaving them).
-        x_NH = scale_grad(moe_permute(x_GH, order_N, top_k), float(ep))
-        y_NH = apply_experts(experts, x_NH, counts_L)
+        x_GH = scale_grad(x_GH, float(ep))
+        if isinstance(experts, GroupedExperts):  # gathers its own rows, keeps no copy of them for backward
+            y_NH = apply_experts(experts, x_GH, counts_L, gather_order=order_N, gather_top_k=top_k)
+        else:
+            y_NH = apply_experts(experts, moe_permute(x_GH, order_N, top_k, num_valid=num_valid), counts_L)
         y_NH = scale_grad(y_NH, 1.0 / ep)
-        # Padding rows' outputs are undefined memory: zero them before the weighted sum.
-        valid_N = torch.arange(y_NH.shape[0], device=y_NH.device) < counts_L.sum()
-        y_NH = torch.where(valid_N.unsqueeze(-1), y_NH, torch.zeros((), dtype=y_NH.dtype, device=y_NH.device))
-        local_weights_GK = torch.where(is_local_GK, weights_GK, torch.zeros_like(weights_GK))
-        partial_GH = moe_combine(y_NH, local_weights_GK, order_N)
+        # Padding rows (copies routed to other ranks) are undefined memory: the combine never reads them.
+        partial_GH = moe_combine(y_NH, weights_GK, order_N, num_valid=num_valid)
         return reduce_scatter_rows(partial_GH, group=group, world=ep)
 
     def dispatch(self, x_TH, routing, *, num_experts):

@@ -45,7 +45,7 @@ def moetune_experts_forward(
         counts_E,
         self.gate_up_proj,
         self.down_proj,
-        activate=lambda h: gated_activation(h, self.act_fn, swiglu_kernel=is_silu),
+        activate=lambda h, num_valid=None: gated_activation(h, self.act_fn, swiglu_kernel=is_silu, num_valid=num_valid),
     )
     return unpermute(y_NH, state).to(hidden_states.dtype)
 

@@ -54,13 +54,19 @@ if HAS_TRITON:
 
     @triton.jit
     def _gather_rows_kernel(
-        x_ptr, order_ptr, w_ptr, y_ptr, out_ptr, dw_ptr,
+        x_ptr, order_ptr, w_ptr, y_ptr, out_ptr, dw_ptr, num_valid_ptr,
         num_cols, top_k, stride_x, stride_y, stride_out,
-        HAS_WEIGHTS: tl.constexpr, COMPUTE_DOT: tl.constexpr, BLOCK_H: tl.constexpr,
+        HAS_WEIGHTS: tl.constexpr, COMPUTE_DOT: tl.constexpr, HAS_NUM_VALID: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
         # Sorted row n = program: out[n] = w[slot] * x[slot // K]; optionally dw[slot] = <x[slot // K], y[n]>.
+        # Rows n >= num_valid are padding: out[n] is left unwritten (never read) and dw[slot] = 0.
         n = tl.program_id(0).to(tl.int64)
         slot = tl.load(order_ptr + n).to(tl.int64)
+        if HAS_NUM_VALID:
+            if n >= tl.load(num_valid_ptr).to(tl.int64):
+                if COMPUTE_DOT:
+                    tl.store(dw_ptr + slot, 0.0)
+                return
         token = slot // top_k
         scale = 1.0
         if HAS_WEIGHTS:
@@ -111,8 +117,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _gather_rows_triton(
     x: torch.Tensor, order_N: torch.Tensor, top_k: int, *,
     weights: torch.Tensor | None = None, y_for_dot: torch.Tensor | None = None,
+    num_valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """out[n] = weights[order[n]] * x[order[n] // K]; with y_for_dot also dw[order[n]] = <x[...], y[n]>."""
+    """out[n] = weights[order[n]] * x[order[n] // K]; with y_for_dot also dw[order[n]] = <x[...], y[n]>;
+    rows n >= num_valid are skipped (out undefined there, dw 0)."""
     x = _rows(x)
     num_rows, num_cols = order_N.numel(), x.shape[1]
     out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
@@ -124,8 +132,9 @@ def _gather_rows_triton(
     with device_of(x):
         _gather_rows_kernel[(num_rows,)](
             x, order_N, weights if weights is not None else x, y, out, dw if dw is not None else out,
+            num_valid if num_valid is not None else order_N,
             num_cols, top_k, x.stride(0), y.stride(0), out.stride(0),
-            HAS_WEIGHTS=weights is not None, COMPUTE_DOT=y_for_dot is not None,
+            HAS_WEIGHTS=weights is not None, COMPUTE_DOT=y_for_dot is not None, HAS_NUM_VALID=num_valid is not None,
             BLOCK_H=block_h, num_warps=warps_for(block_h),
         )  # fmt: skip
     return out, dw
@@ -153,15 +162,20 @@ def _sum_rows_triton(
     return out
 
 
-def _gather_rows_torch(x, order_N, top_k, *, weights=None, y_for_dot=None):
-    """The kernels' math in torch ops (lets CPU tests gradcheck the backward formulas)."""
+def _gather_rows_torch(x, order_N, top_k, *, weights=None, y_for_dot=None, num_valid=None):
+    """The kernels' math in torch ops (lets CPU tests gradcheck the backward formulas); padding rows
+    (n >= num_valid) are computed (allowed: undefined) but give dw 0."""
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
     rows = x.index_select(0, order_N // top_k).to(compute_dtype)
     out = rows if weights is None else rows * weights.index_select(0, order_N).to(compute_dtype)[:, None]
     dw = None
     if y_for_dot is not None:
+        dots = (rows * y_for_dot.to(compute_dtype)).sum(-1)
+        if num_valid is not None:  # where, not a multiply: padding rows of y may hold NaNs
+            valid = torch.arange(order_N.numel(), device=x.device) < num_valid.reshape(())
+            dots = torch.where(valid, dots, 0.0)
         dw = torch.empty(order_N.numel(), dtype=compute_dtype, device=x.device)
-        dw[order_N] = (rows * y_for_dot.to(compute_dtype)).sum(-1)
+        dw[order_N] = dots
     return out.to(x.dtype), dw
 
 
@@ -175,10 +189,14 @@ def _sum_rows_torch(y, inverse_N, top_k, *, weights=None, num_valid=None):
     return rows.view(-1, top_k, y.shape[1]).sum(1).to(y.dtype)
 
 
-def permute_rows(x_TH: torch.Tensor, order_N: torch.Tensor, top_k: int, *, impl: Impl = "auto") -> torch.Tensor:
-    """``moe_permute``'s forward alone, outside autograd: ``x_TH[order_N // top_k]``."""
+def permute_rows(
+    x_TH: torch.Tensor, order_N: torch.Tensor, top_k: int, *,
+    num_valid: torch.Tensor | None = None, impl: Impl = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """``moe_permute``'s forward alone, outside autograd: ``x_TH[order_N // top_k]``; the kernel
+    leaves rows ``>= num_valid`` (padding) unwritten."""
     gather = _gather_rows_triton if use_triton(impl, x_TH, order_N) else _gather_rows_torch
-    return gather(x_TH, order_N, top_k)[0]
+    return gather(x_TH, order_N, top_k, num_valid=num_valid)[0]
 
 
 def permute_rows_backward(
@@ -207,26 +225,28 @@ class MoEPermuteFunction(torch.autograd.Function):
 
 class MoECombineFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_NH, weights_TK, order_N, backend: str):
+    def forward(ctx, y_NH, weights_TK, order_N, backend: str, num_valid=None):
         top_k = weights_TK.shape[1]
         sum_rows = _sum_rows_triton if backend == "triton" else _sum_rows_torch
         # The kernels index the weights by routed slot: a dense [T * K] vector.
-        out_TH = sum_rows(y_NH, inverse_order(order_N), top_k, weights=weights_TK.reshape(-1).contiguous())
-        ctx.save_for_backward(y_NH, weights_TK, order_N)
+        out_TH = sum_rows(
+            y_NH, inverse_order(order_N), top_k, weights=weights_TK.reshape(-1).contiguous(), num_valid=num_valid
+        )
+        ctx.save_for_backward(y_NH, weights_TK, order_N, num_valid)
         ctx.backend = backend
         return out_TH
 
     @staticmethod
     def backward(ctx, dout_TH):
-        y_NH, weights_TK, order_N = ctx.saved_tensors
+        y_NH, weights_TK, order_N, num_valid = ctx.saved_tensors
         gather = _gather_rows_triton if ctx.backend == "triton" else _gather_rows_torch
         need_dw = ctx.needs_input_grad[1]
         dy_NH, dw_N = gather(
             dout_TH, order_N, weights_TK.shape[1], weights=weights_TK.reshape(-1).contiguous(),
-            y_for_dot=y_NH if need_dw else None,
+            y_for_dot=y_NH if need_dw else None, num_valid=num_valid,
         )
         dw_TK = dw_N.view_as(weights_TK).to(weights_TK.dtype) if need_dw else None
-        return dy_NH.to(y_NH.dtype), dw_TK, None, None
+        return dy_NH.to(y_NH.dtype), dw_TK, None, None, None
 
 
 def _check_order(order_N: torch.Tensor, num_slots: int) -> None:
@@ -259,18 +279,25 @@ def moe_permute(
 
 
 def moe_combine(
-    y_NH: torch.Tensor, weights_TK: torch.Tensor, order_N: torch.Tensor, *, impl: Impl = "auto"
-) -> torch.Tensor:
+    y_NH: torch.Tensor, weights_TK: torch.Tensor, order_N: torch.Tensor, *,
+    num_valid: torch.Tensor | None = None, impl: Impl = "auto",
+) -> torch.Tensor:  # fmt: skip
     """``out_TH[t] = sum_k weights_TK[t, k] * y_NH[row of slot t*K + k]`` in fp32, stored in y's dtype.
 
     ``y_NH`` rows are sorted as ``order_N`` says (the output of ``moe_permute`` pushed through
     the experts); ``weights_TK`` are the router's weights in token order and get a gradient.
+    ``num_valid`` (one-element device tensor): sorted rows from there on are padding, never read
+    (they may hold NaNs); their slots add nothing and their weights get a zero gradient.
     """
     if weights_TK.dim() != 2 or y_NH.dim() != 2:
         raise ValueError(f"expected y_NH [N, H] and weights_TK [T, K], got {tuple(y_NH.shape)} and {tuple(weights_TK.shape)}")
     _check_order(order_N, weights_TK.numel())
     if y_NH.shape[0] != order_N.numel():
         raise ValueError(f"y_NH has {y_NH.shape[0]} rows but there are {order_N.numel()} routed slots")
+    if num_valid is not None and num_valid.numel() != 1:
+        raise ValueError(f"num_valid must hold one count, got shape {tuple(num_valid.shape)}")
     if use_triton(impl, y_NH, weights_TK, order_N):
-        return MoECombineFunction.apply(y_NH, weights_TK, order_N.contiguous(), "triton")
+        return MoECombineFunction.apply(y_NH, weights_TK, order_N.contiguous(), "triton", num_valid)
+    if num_valid is not None:
+        return MoECombineFunction.apply(y_NH, weights_TK, order_N, "torch", num_valid)
     return moe_combine_reference(y_NH, weights_TK, order_N)

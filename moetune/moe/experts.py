@@ -114,10 +114,12 @@ class GroupedExperts(nn.Module):
             gather_order=gather_order, gather_top_k=gather_top_k, **biases,
         )  # fmt: skip
 
-    def _activate(self, h_NX: torch.Tensor) -> torch.Tensor:
+    def _activate(self, h_NX: torch.Tensor, num_valid: torch.Tensor | None = None) -> torch.Tensor:
         if self.activation == "clamped_swiglu":
             return clamped_swiglu(h_NX, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
-        return gated_activation(h_NX, self._act, swiglu_kernel=self.activation == "silu") if self.gated else self._act(h_NX)
+        if not self.gated:
+            return self._act(h_NX)
+        return gated_activation(h_NX, self._act, swiglu_kernel=self.activation == "silu", num_valid=num_valid)
 
     def extra_repr(self) -> str:
         layout = ", transposed" if self.is_transposed else ""
@@ -136,10 +138,13 @@ def clamped_swiglu(h_NX: torch.Tensor, *, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def gated_activation(h_NX: torch.Tensor, act, *, swiglu_kernel: bool) -> torch.Tensor:
-    """act(gate) * up for h = [gate | up]; SiLU goes through the fused SwiGLU kernel."""
+def gated_activation(
+    h_NX: torch.Tensor, act, *, swiglu_kernel: bool, num_valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """act(gate) * up for h = [gate | up]; SiLU goes through the fused SwiGLU kernel, which skips the
+    padding rows from ``num_valid`` on."""
     if swiglu_kernel:
-        return swiglu(h_NX)
+        return swiglu(h_NX, num_valid=num_valid)
     gate, up = h_NX.chunk(2, dim=-1)
     return act(gate) * up
 
@@ -166,7 +171,9 @@ def run_experts(
 
     Rows past ``tokens_per_expert_E.sum()`` are padding (capacity-padded or all-gathered expert
     parallelism): the grouped GEMM skips them (their output rows are undefined), the loop gives them
-    zeros, and neither lets them reach the gradients of ``x`` or of the biases.
+    zeros, and neither lets them reach the gradients of ``x`` or of the biases. The grouped path calls
+    ``activate(h_NX, num_valid)`` (a one-element device count; the activation may skip the rows from
+    there on, as the SwiGLU kernel does), the loop ``activate(h_NX)``.
     """
     if gather_order is not None:
         _check_gather(x, gather_order, gather_top_k)
@@ -183,7 +190,7 @@ def run_experts(
             rows = torch.arange(h_NX.shape[0], device=x.device, dtype=torch.int32)
             expert_N = torch.searchsorted(offsets_E, rows, right=True)  # E for padding rows
         h_NX = h_NX if in_bias is None else h_NX + _bias_rows(in_bias, expert_N)
-        y_NH = _grouped_mm(activate(h_NX), down_proj.transpose(-2, -1), offs=offsets_E)
+        y_NH = _grouped_mm(activate(h_NX, offsets_E[-1:]), down_proj.transpose(-2, -1), offs=offsets_E)
         return y_NH if down_bias is None else y_NH + _bias_rows(down_bias, expert_N)
     if gather_order is not None:
         num_valid = tokens_per_expert_E.sum().reshape(1)
@@ -246,7 +253,8 @@ class GatheredGroupedMM(torch.autograd.Function):
     def forward(ctx, x_TH, w_EHX, order_N, offsets_E, top_k: int, impl: Impl = "auto"):
         ctx.save_for_backward(x_TH, w_EHX, order_N, offsets_E)
         ctx.top_k, ctx.impl = top_k, impl
-        return _grouped_mm(permute_rows(x_TH, order_N, top_k, impl=impl), w_EHX, offs=offsets_E)
+        x_NH = permute_rows(x_TH, order_N, top_k, num_valid=offsets_E[-1:], impl=impl)  # padding rows unwritten
+        return _grouped_mm(x_NH, w_EHX, offs=offsets_E)
 
     @staticmethod
     def backward(ctx, dh_NX):
@@ -257,7 +265,7 @@ class GatheredGroupedMM(torch.autograd.Function):
             dx_NH = _grouped_mm(dh_NX, w_EHX.transpose(-2, -1), offs=offsets_E)
             dx_TH = permute_rows_backward(dx_NH, order_N, ctx.top_k, num_valid=offsets_E[-1:], impl=ctx.impl)
         if ctx.needs_input_grad[1]:
-            x_NH = permute_rows(x_TH, order_N, ctx.top_k, impl=ctx.impl)  # the copy the forward did not keep
+            x_NH = permute_rows(x_TH, order_N, ctx.top_k, num_valid=offsets_E[-1:], impl=ctx.impl)  # not kept by forward
             # torch's own _grouped_mm_mat2_backward: a column-major weight gets a column-major gradient.
             if w_EHX.stride(-2) == 1 and w_EHX.stride(-1) == w_EHX.shape[-2]:
                 dw_EHX = _grouped_mm(dh_NX.t(), x_NH, offs=offsets_E).transpose(-2, -1)

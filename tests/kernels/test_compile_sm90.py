@@ -106,6 +106,7 @@ def test_rms_norm_compiles_for_hopper(compile_only, dtype, shape, weight_grad):
 def test_swiglu_compiles_for_hopper(compile_only, dtype, width):
     gate_up = torch.zeros(64, 2 * width, dtype=dtype, requires_grad=True)
     _fwd_bwd(swiglu(gate_up, impl="triton"), (gate_up,))
+    _fwd_bwd(swiglu(gate_up, num_valid=torch.tensor([40]), impl="triton"), (gate_up,))
     gate, up = (torch.zeros(64, width, dtype=dtype, requires_grad=True) for _ in range(2))
     _fwd_bwd(swiglu_split(gate, up, impl="triton"), (gate, up))
 
@@ -131,3 +132,7 @@ def test_permute_and_combine_compile_for_hopper(compile_only, dtype, hidden):
     y_NH = torch.zeros(num_tokens * top_k, hidden, dtype=dtype, requires_grad=True)
     weights_TK = torch.rand(num_tokens, top_k, requires_grad=True)
     _fwd_bwd(moe_combine(y_NH, weights_TK, order_N, impl="triton"), (y_NH, weights_TK))
+    _fwd_bwd(moe_combine(y_NH, weights_TK, order_N, num_valid=num_valid, impl="triton"), (y_NH, weights_TK))
+    from moetune.kernels.permute import permute_rows
+
+    permute_rows(x_TH.detach(), order_N, top_k, num_valid=num_valid, impl="triton")

@@ -201,3 +201,38 @@ def test_gathered_grouped_mm_kernels_in_interpreter(interpret):
     for got, expected in zip(*results):
         assert torch.isfinite(got).all()
         fp32_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def _combine_with_padding(impl: str, dtype: torch.dtype):
+    """moe_combine with num_valid over rows whose tail holds NaN; returns (out, dy, dw) and the
+    expected values computed from the valid rows only (padding slots' weights zeroed)."""
+    torch.manual_seed(3)
+    num_tokens, top_k, hidden, num_valid = 6, 3, 40, 11
+    order_N, weights_TK = routing(num_tokens, top_k, 5)
+    y_NH = torch.randn(num_tokens * top_k, hidden).to(dtype)
+    y_NH[num_valid:] = float("nan")
+    y_NH.requires_grad_()
+    weights_TK = weights_TK.requires_grad_()
+    dout = torch.randn(num_tokens, hidden).to(dtype)
+    out = moe_combine(y_NH, weights_TK, order_N, num_valid=torch.tensor([num_valid]), impl=impl)
+    dy, dw = torch.autograd.grad(out, (y_NH, weights_TK), dout)
+    valid_slot = torch.zeros(num_tokens * top_k, dtype=torch.bool)
+    valid_slot[order_N[:num_valid]] = True
+    clean_y = torch.where(torch.arange(num_tokens * top_k)[:, None] < num_valid, y_NH.detach(), 0).requires_grad_()
+    masked_w = (weights_TK.detach() * valid_slot.view(num_tokens, top_k)).requires_grad_()
+    expected = moe_combine_reference(clean_y, masked_w, order_N)
+    expected_dy, expected_dw = torch.autograd.grad(expected, (clean_y, masked_w), dout)
+    expected_dw = expected_dw * valid_slot.view(num_tokens, top_k)
+    return (out, dy[:num_valid], dw), (expected, expected_dy[:num_valid], expected_dw)
+
+
+def test_combine_num_valid_skips_padding_rows_torch():
+    got, expected = _combine_with_padding("torch", torch.float32)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+def test_combine_num_valid_skips_padding_rows_in_interpreter(interpret):
+    got, expected = _combine_with_padding("triton", torch.float32)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
