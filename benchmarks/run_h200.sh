@@ -11,8 +11,8 @@
 #   6. a compact table of every result file, printed last
 # Results (JSON + PNG per run, and this log) go to $OUT (default benchmarks/results).
 # STAGES picks stages (default: versions parity rowA strict 16l rowD); the others:
-#   gputests  the GPU-marked tests of the CUDA-graph step, optimizer, loss kernel and the DeepSeek-V3 /
-#             GPT-OSS / Nemotron-H bf16 parity
+#   gputests  the GPU-marked tests of the CUDA-graph step, optimizer, loss kernel, kernels, gathered
+#             experts and the DeepSeek-V3 / GPT-OSS / Nemotron-H bf16 parity
 #   graph     row A with moetune's step replayed from CUDA graphs (--moetune-cuda-graph)
 #   graph16l  moetune alone at 16 layers, eager and graphed (the one-GPU reference of row B)
 #   profile   benchmarks/profile_step.py: kernels and GPU idle time of one step, eager and graphed
@@ -63,7 +63,7 @@ if stage gputests; then
   echo "== GPU tests"
   timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph_step.py tests/test_optim.py \
     tests/test_gpu_losses.py tests/test_deepseek_v3_parity.py tests/test_gpt_oss_parity.py tests/test_nemotron_h_parity.py \
-    || status=1
+    tests/test_gathered_experts.py tests/kernels || status=1
 fi
 
 if stage parity; then
