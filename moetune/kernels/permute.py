@@ -117,13 +117,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _gather_rows_triton(
     x: torch.Tensor, order_N: torch.Tensor, top_k: int, *,
     weights: torch.Tensor | None = None, y_for_dot: torch.Tensor | None = None,
-    num_valid: torch.Tensor | None = None,
+    num_valid: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """out[n] = weights[order[n]] * x[order[n] // K]; with y_for_dot also dw[order[n]] = <x[...], y[n]>;
     rows n >= num_valid are skipped (out undefined there, dw 0)."""
     x = _rows(x)
     num_rows, num_cols = order_N.numel(), x.shape[1]
-    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_rows, num_cols), dtype=out_dtype or x.dtype, device=x.device)
     dw = torch.empty(num_rows, dtype=torch.float32, device=x.device) if y_for_dot is not None else None
     if num_rows == 0:
         return out, dw
@@ -142,13 +142,13 @@ def _gather_rows_triton(
 
 def _sum_rows_triton(
     y: torch.Tensor, inverse_N: torch.Tensor, top_k: int, *,
-    weights: torch.Tensor | None = None, num_valid: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None, num_valid: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """out[t] = sum_k weights[t*K + k] * y[inverse[t*K + k]] in fp32, stored in y's dtype; with
     ``num_valid`` (a one-element device tensor) the rows ``inverse[...] >= num_valid`` are left out."""
     y = _rows(y)
     num_tokens, num_cols = inverse_N.numel() // top_k, y.shape[1]
-    out = torch.empty((num_tokens, num_cols), dtype=y.dtype, device=y.device)
+    out = torch.empty((num_tokens, num_cols), dtype=out_dtype or y.dtype, device=y.device)
     if num_tokens == 0:
         return out
     block_h = min(next_pow2(num_cols), _MAX_BLOCK_H)
@@ -162,7 +162,7 @@ def _sum_rows_triton(
     return out
 
 
-def _gather_rows_torch(x, order_N, top_k, *, weights=None, y_for_dot=None, num_valid=None):
+def _gather_rows_torch(x, order_N, top_k, *, weights=None, y_for_dot=None, num_valid=None, out_dtype=None):
     """The kernels' math in torch ops (lets CPU tests gradcheck the backward formulas); padding rows
     (n >= num_valid) are computed (allowed: undefined) but give dw 0."""
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
@@ -176,17 +176,17 @@ def _gather_rows_torch(x, order_N, top_k, *, weights=None, y_for_dot=None, num_v
             dots = torch.where(valid, dots, 0.0)
         dw = torch.empty(order_N.numel(), dtype=compute_dtype, device=x.device)
         dw[order_N] = dots
-    return out.to(x.dtype), dw
+    return out.to(out_dtype or x.dtype), dw
 
 
-def _sum_rows_torch(y, inverse_N, top_k, *, weights=None, num_valid=None):
+def _sum_rows_torch(y, inverse_N, top_k, *, weights=None, num_valid=None, out_dtype=None):
     compute_dtype = torch.promote_types(y.dtype, torch.float32)
     rows = y.index_select(0, inverse_N).to(compute_dtype)
     if num_valid is not None:  # where, not a multiply: padding rows may hold NaNs
         rows = torch.where((inverse_N < num_valid.reshape(()))[:, None], rows, 0.0)
     if weights is not None:
         rows = rows * weights.to(compute_dtype)[:, None]
-    return rows.view(-1, top_k, y.shape[1]).sum(1).to(y.dtype)
+    return rows.view(-1, top_k, y.shape[1]).sum(1).to(out_dtype or y.dtype)
 
 
 def permute_rows(
@@ -225,13 +225,14 @@ class MoEPermuteFunction(torch.autograd.Function):
 
 class MoECombineFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_NH, weights_TK, order_N, backend: str, num_valid=None):
+    def forward(ctx, y_NH, weights_TK, order_N, backend: str, num_valid=None, out_dtype=None):
         top_k = weights_TK.shape[1]
         sum_rows = _sum_rows_triton if backend == "triton" else _sum_rows_torch
         # The kernels index the weights by routed slot: a dense [T * K] vector.
         out_TH = sum_rows(
-            y_NH, inverse_order(order_N), top_k, weights=weights_TK.reshape(-1).contiguous(), num_valid=num_valid
-        )
+            y_NH, inverse_order(order_N), top_k, weights=weights_TK.reshape(-1).contiguous(), num_valid=num_valid,
+            out_dtype=out_dtype,
+        )  # fmt: skip
         ctx.save_for_backward(y_NH, weights_TK, order_N, num_valid)
         ctx.backend = backend
         return out_TH
@@ -243,10 +244,10 @@ class MoECombineFunction(torch.autograd.Function):
         need_dw = ctx.needs_input_grad[1]
         dy_NH, dw_N = gather(
             dout_TH, order_N, weights_TK.shape[1], weights=weights_TK.reshape(-1).contiguous(),
-            y_for_dot=y_NH if need_dw else None, num_valid=num_valid,
+            y_for_dot=y_NH if need_dw else None, num_valid=num_valid, out_dtype=y_NH.dtype,
         )
         dw_TK = dw_N.view_as(weights_TK).to(weights_TK.dtype) if need_dw else None
-        return dy_NH.to(y_NH.dtype), dw_TK, None, None, None
+        return dy_NH, dw_TK, None, None, None, None
 
 
 def _check_order(order_N: torch.Tensor, num_slots: int) -> None:
@@ -280,9 +281,10 @@ def moe_permute(
 
 def moe_combine(
     y_NH: torch.Tensor, weights_TK: torch.Tensor, order_N: torch.Tensor, *,
-    num_valid: torch.Tensor | None = None, impl: Impl = "auto",
+    num_valid: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, impl: Impl = "auto",
 ) -> torch.Tensor:  # fmt: skip
-    """``out_TH[t] = sum_k weights_TK[t, k] * y_NH[row of slot t*K + k]`` in fp32, stored in y's dtype.
+    """``out_TH[t] = sum_k weights_TK[t, k] * y_NH[row of slot t*K + k]`` in fp32, stored in y's dtype
+    (or ``out_dtype``: fp32 partial sums that are added up elsewhere, rounded once).
 
     ``y_NH`` rows are sorted as ``order_N`` says (the output of ``moe_permute`` pushed through
     the experts); ``weights_TK`` are the router's weights in token order and get a gradient.
@@ -297,7 +299,7 @@ def moe_combine(
     if num_valid is not None and num_valid.numel() != 1:
         raise ValueError(f"num_valid must hold one count, got shape {tuple(num_valid.shape)}")
     if use_triton(impl, y_NH, weights_TK, order_N):
-        return MoECombineFunction.apply(y_NH, weights_TK, order_N.contiguous(), "triton", num_valid)
-    if num_valid is not None:
-        return MoECombineFunction.apply(y_NH, weights_TK, order_N, "torch", num_valid)
+        return MoECombineFunction.apply(y_NH, weights_TK, order_N.contiguous(), "triton", num_valid, out_dtype)
+    if num_valid is not None or out_dtype is not None:
+        return MoECombineFunction.apply(y_NH, weights_TK, order_N, "torch", num_valid, out_dtype)
     return moe_combine_reference(y_NH, weights_TK, order_N)

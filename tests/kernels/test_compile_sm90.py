@@ -133,6 +133,8 @@ def test_permute_and_combine_compile_for_hopper(compile_only, dtype, hidden):
     weights_TK = torch.rand(num_tokens, top_k, requires_grad=True)
     _fwd_bwd(moe_combine(y_NH, weights_TK, order_N, impl="triton"), (y_NH, weights_TK))
     _fwd_bwd(moe_combine(y_NH, weights_TK, order_N, num_valid=num_valid, impl="triton"), (y_NH, weights_TK))
+    fp32_partials = moe_combine(y_NH, weights_TK, order_N, num_valid=num_valid, out_dtype=torch.float32, impl="triton")
+    _fwd_bwd(fp32_partials, (y_NH, weights_TK))
     from moetune.kernels.permute import permute_rows
 
     permute_rows(x_TH.detach(), order_N, top_k, num_valid=num_valid, impl="triton")
