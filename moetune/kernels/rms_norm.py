@@ -22,6 +22,8 @@ MAX_TRITON_COLS = 32768
 _TILE = 2048  # elements per program: several short rows (q/k norm) or one long row (hidden)
 # The backward's persistent programs loop over row tiles; bigger tiles keep more loads in flight.
 _BWD_TILE = 8192
+_BWD_PROGRAMS_PER_SM = 2
+_BWD_NUM_WARPS: int | None = None  # None: warps_for(tile); benchmarks/rms_norm_probe.py tunes these
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -136,7 +138,8 @@ def _bwd_triton(
         return dx, torch.zeros_like(weight) if compute_dw else None
     dx2d = dx.view(num_rows, num_cols)
     block_m, block_n, num_warps = _launch_sizes(num_cols, _BWD_TILE)
-    num_programs = min(triton.cdiv(num_rows, block_m), 2 * num_sms(x.device))
+    num_warps = _BWD_NUM_WARPS or num_warps
+    num_programs = min(triton.cdiv(num_rows, block_m), _BWD_PROGRAMS_PER_SM * num_sms(x.device))
     dw_partial = torch.empty((num_programs, num_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
     with device_of(dy2d):
         _rms_norm_bwd_kernel[(num_programs,)](
