@@ -20,10 +20,23 @@ from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2
 # One row must fit in a program's registers; wider rows take the reference.
 MAX_TRITON_COLS = 32768
 _TILE = 2048  # elements per program: several short rows (q/k norm) or one long row (hidden)
-# The backward's persistent programs loop over row tiles; bigger tiles keep more loads in flight.
-_BWD_TILE = 8192
-_BWD_PROGRAMS_PER_SM = 2
-_BWD_NUM_WARPS: int | None = None  # None: warps_for(tile); benchmarks/rms_norm_probe.py tunes these
+# The backward's persistent programs loop over row tiles. Launch settings per row width, measured on
+# an H200 (benchmarks/rms_norm_probe.py, benchmarks/results/rms_norm_probe_h200_2c019ae.jsonl):
+# hidden rows [4096, 2048] 49.9 us with 2048-element tiles and 4 programs per SM (60.8 with the
+# 8192 / 2 used before); head_dim rows (q_norm [131072, 128]) 58.0 us with 8192-element tiles, 2 per
+# SM and 4 warps (82.1 with the default warps). None: the per-width default below.
+_BWD_TILE: int | None = None
+_BWD_PROGRAMS_PER_SM: int | None = None
+_BWD_NUM_WARPS: int | None = None
+
+
+def _bwd_launch_settings(num_cols: int) -> tuple[int, int, int | None]:
+    """(row tile in elements, programs per SM, warps or None for warps_for) of the backward."""
+    if next_pow2(num_cols) <= 256:  # q / k norms over head_dim
+        tile, per_sm, warps = 8192, 2, 4
+    else:
+        tile, per_sm, warps = 2048, 4, None
+    return _BWD_TILE or tile, _BWD_PROGRAMS_PER_SM or per_sm, _BWD_NUM_WARPS or warps
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -137,9 +150,10 @@ def _bwd_triton(
     if num_rows == 0:
         return dx, torch.zeros_like(weight) if compute_dw else None
     dx2d = dx.view(num_rows, num_cols)
-    block_m, block_n, num_warps = _launch_sizes(num_cols, _BWD_TILE)
-    num_warps = _BWD_NUM_WARPS or num_warps
-    num_programs = min(triton.cdiv(num_rows, block_m), _BWD_PROGRAMS_PER_SM * num_sms(x.device))
+    tile, per_sm, warps = _bwd_launch_settings(num_cols)
+    block_m, block_n, num_warps = _launch_sizes(num_cols, tile)
+    num_warps = warps or num_warps
+    num_programs = min(triton.cdiv(num_rows, block_m), per_sm * num_sms(x.device))
     dw_partial = torch.empty((num_programs, num_cols) if compute_dw else (1,), dtype=torch.float32, device=x.device)
     with device_of(dy2d):
         _rms_norm_bwd_kernel[(num_programs,)](
