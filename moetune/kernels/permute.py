@@ -27,6 +27,10 @@ import torch
 from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton, warps_for
 
 _MAX_BLOCK_H = 2048
+# Elements per program of the gather (half that when it also reads y for the weights' gradient),
+# and its warps (None: warps_for); benchmarks/gather_probe.py times the choices.
+_GATHER_TILE = 2048
+_GATHER_NUM_WARPS: int | None = None
 
 
 def moe_permute_reference(x_TH: torch.Tensor, order_N: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -55,33 +59,35 @@ if HAS_TRITON:
     @triton.jit
     def _gather_rows_kernel(
         x_ptr, order_ptr, w_ptr, y_ptr, out_ptr, dw_ptr, num_valid_ptr,
-        num_cols, top_k, stride_x, stride_y, stride_out,
-        HAS_WEIGHTS: tl.constexpr, COMPUTE_DOT: tl.constexpr, HAS_NUM_VALID: tl.constexpr, BLOCK_H: tl.constexpr,
+        num_rows, num_cols, top_k, stride_x, stride_y, stride_out,
+        HAS_WEIGHTS: tl.constexpr, COMPUTE_DOT: tl.constexpr, HAS_NUM_VALID: tl.constexpr,
+        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
-        # Sorted row n = program: out[n] = w[slot] * x[slot // K]; optionally dw[slot] = <x[slot // K], y[n]>.
-        # Rows n >= num_valid are padding: out[n] is left unwritten (never read) and dw[slot] = 0.
-        n = tl.program_id(0).to(tl.int64)
-        slot = tl.load(order_ptr + n).to(tl.int64)
+        # BLOCK_R sorted rows n per program: out[n] = w[slot] * x[slot // K]; optionally
+        # dw[slot] = <x[slot // K], y[n]>. Rows n >= num_valid are padding: out[n] is left unwritten
+        # (never read) and dw[slot] = 0. Several rows per program keep more loads in flight than one.
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        in_range = rows < num_rows
+        slot = tl.load(order_ptr + rows, mask=in_range, other=0).to(tl.int64)
+        active = in_range
         if HAS_NUM_VALID:
-            if n >= tl.load(num_valid_ptr).to(tl.int64):
-                if COMPUTE_DOT:
-                    tl.store(dw_ptr + slot, 0.0)
-                return
+            active = in_range & (rows < tl.load(num_valid_ptr).to(tl.int64))
         token = slot // top_k
-        scale = 1.0
+        scale = tl.full([BLOCK_R], 1.0, tl.float32)
         if HAS_WEIGHTS:
-            scale = tl.load(w_ptr + slot).to(tl.float32)
+            scale = tl.load(w_ptr + slot, mask=active, other=0.0).to(tl.float32)
         cols = tl.arange(0, BLOCK_H)
-        dot = tl.zeros([BLOCK_H], dtype=tl.float32)
+        dot = tl.zeros([BLOCK_R], dtype=tl.float32)
         for h0 in range(0, num_cols, BLOCK_H):
-            mask = h0 + cols < num_cols
-            x = tl.load(x_ptr + token * stride_x + h0 + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + n * stride_out + h0 + cols, (x * scale).to(out_ptr.dtype.element_ty), mask=mask)
+            mask = active[:, None] & (h0 + cols < num_cols)[None, :]
+            x = tl.load(x_ptr + token[:, None] * stride_x + h0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            out = (x * scale[:, None]).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + rows[:, None] * stride_out + h0 + cols[None, :], out, mask=mask)
             if COMPUTE_DOT:
-                y = tl.load(y_ptr + n * stride_y + h0 + cols, mask=mask, other=0.0).to(tl.float32)
-                dot += x * y
+                y = tl.load(y_ptr + rows[:, None] * stride_y + h0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+                dot += tl.sum(x * y, axis=1)
         if COMPUTE_DOT:
-            tl.store(dw_ptr + slot, tl.sum(dot, axis=0))
+            tl.store(dw_ptr + slot, tl.where(active, dot, 0.0), mask=in_range)
 
     @triton.jit
     def _sum_rows_kernel(
@@ -129,13 +135,15 @@ def _gather_rows_triton(
         return out, dw
     y = _rows(y_for_dot) if y_for_dot is not None else x
     block_h = min(next_pow2(num_cols), _MAX_BLOCK_H)
+    block_r = max(1, (_GATHER_TILE // 2 if y_for_dot is not None else _GATHER_TILE) // block_h)
+    num_warps = _GATHER_NUM_WARPS or warps_for(block_r * block_h)
     with device_of(x):
-        _gather_rows_kernel[(num_rows,)](
+        _gather_rows_kernel[(triton.cdiv(num_rows, block_r),)](
             x, order_N, weights if weights is not None else x, y, out, dw if dw is not None else out,
             num_valid if num_valid is not None else order_N,
-            num_cols, top_k, x.stride(0), y.stride(0), out.stride(0),
+            num_rows, num_cols, top_k, x.stride(0), y.stride(0), out.stride(0),
             HAS_WEIGHTS=weights is not None, COMPUTE_DOT=y_for_dot is not None, HAS_NUM_VALID=num_valid is not None,
-            BLOCK_H=block_h, num_warps=warps_for(block_h),
+            BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
         )  # fmt: skip
     return out, dw
 
