@@ -27,10 +27,13 @@ import torch
 from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton, warps_for
 
 _MAX_BLOCK_H = 2048
-# Elements per program of the gather (half that when it also reads y for the weights' gradient),
-# and its warps (None: warps_for); benchmarks/gather_probe.py times the choices.
+# Elements per program of the gather, without and with the second read (y, for the weights'
+# gradient), and its warps (None: warps_for). Measured on an H200 (benchmarks/gather_probe.py,
+# benchmarks/results/gather_probe_h200_4cf0eeb.jsonl; 32768 rows of 2048 bf16): one row and 4
+# warps 52.6 us (59.0 with 8 warps); with the dot products two rows and 4 warps 101.5 us (108.3).
 _GATHER_TILE = 2048
-_GATHER_NUM_WARPS: int | None = None
+_GATHER_DOT_TILE = 4096
+_GATHER_NUM_WARPS: int | None = 4
 
 
 def moe_permute_reference(x_TH: torch.Tensor, order_N: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -135,7 +138,7 @@ def _gather_rows_triton(
         return out, dw
     y = _rows(y_for_dot) if y_for_dot is not None else x
     block_h = min(next_pow2(num_cols), _MAX_BLOCK_H)
-    block_r = max(1, (_GATHER_TILE // 2 if y_for_dot is not None else _GATHER_TILE) // block_h)
+    block_r = max(1, (_GATHER_DOT_TILE if y_for_dot is not None else _GATHER_TILE) // block_h)
     num_warps = _GATHER_NUM_WARPS or warps_for(block_r * block_h)
     with device_of(x):
         _gather_rows_kernel[(triton.cdiv(num_rows, block_r),)](
