@@ -54,38 +54,26 @@ def _scatter_sum(x: torch.Tensor, group, world: int) -> torch.Tensor:
     return out
 
 
-class _AllGather(torch.autograd.Function):
-    """Rows of every rank, in rank order; the backward sums each rank's block over the group."""
+class _GatherOrScatter(torch.autograd.Function):
+    """All-gather of rows (rank order) or sum + scatter of row blocks (block r to rank r); each
+    one's backward is the other."""
 
     @staticmethod
-    def forward(ctx, x, group, world: int) -> torch.Tensor:
-        ctx.group, ctx.world = group, world
-        return _gather(x, group, world)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _scatter_sum(grad, ctx.group, ctx.world), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    """Sum over the group, block r to rank r; the backward all-gathers."""
-
-    @staticmethod
-    def forward(ctx, x, group, world: int) -> torch.Tensor:
-        ctx.group, ctx.world = group, world
-        return _scatter_sum(x, group, world)
+    def forward(ctx, x, group, world: int, gather: bool) -> torch.Tensor:
+        ctx.group, ctx.world, ctx.gather = group, world, gather
+        return (_gather if gather else _scatter_sum)(x, group, world)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather(grad, ctx.group, ctx.world), None, None
+        return (_scatter_sum if ctx.gather else _gather)(grad, ctx.group, ctx.world), None, None, None
 
 
 def all_gather_rows(x: torch.Tensor, *, group, world: int) -> torch.Tensor:
-    return _AllGather.apply(x, group, world)
+    return _GatherOrScatter.apply(x, group, world, True)
 
 
 def reduce_scatter_rows(x: torch.Tensor, *, group, world: int) -> torch.Tensor:
-    return _ReduceScatter.apply(x, group, world)
+    return _GatherOrScatter.apply(x, group, world, False)
 
 
 def _capturing() -> bool:
