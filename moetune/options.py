@@ -42,9 +42,9 @@ class MoetuneOptions:
     ep_dispatch: str = "alltoall"
     """Expert parallelism: 'alltoall' sends each routed copy of a token to the rank of its expert
     (``ep_capacity_factor`` / ``ep_overlap_chunks`` refine it); 'allgather' gives every rank all the
-    tokens of the ep group and reduce-scatters the experts' partial outputs: fixed shapes, no host
-    sync, fewer bytes when ep <= top-k, every rank must pass the same number of tokens
-    (``moetune.distributed.AllGatherExpertParallelDispatcher``)."""
+    tokens of the ep group and reduce-scatters the experts' partial outputs: fewer bytes when
+    ep <= top-k, and with equal token counts on the ranks fixed shapes and no host sync, so the step
+    can be captured in a CUDA graph (``moetune.distributed.AllGatherExpertParallelDispatcher``)."""
     dense_parallel: str = "fsdp"
     """Parameters other than the experts: 'fsdp' shards them with FSDP2 over all ranks; 'replicate'
     keeps full copies on every rank and averages their gradients (DDP-style), which with

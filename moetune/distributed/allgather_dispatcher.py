@@ -18,9 +18,11 @@ count stays on the device). Outputs are combined per token in fp32 and reduce-sc
 (twice the bytes of bf16, 32 MB per layer at 4096 tokens x 2048), so every output is rounded to
 the model dtype once, as on one device.
 
-Every rank of the ep group must pass the same number of tokens (pack or pad micro-batches to one
-shape). Eager calls check it (one host synchronisation per layer, as the all-to-all dispatcher);
-calls being captured in a CUDA graph skip the check: the capture replays the checked shapes.
+Ranks may pass different numbers of tokens in eager calls (generation, unpacked batches): each call
+first gathers the counts (one host synchronisation per layer, as the all-to-all dispatcher) and
+pads the shorter ranks with tokens routed nowhere. Calls being captured in a CUDA graph skip that
+exchange and need equal counts (packed micro-batches); an uneven eager warm-up makes the capture
+raise.
 
 Shape legend: T tokens on this rank, H hidden, K experts per token, R = ep ranks, G = R * T
 gathered tokens, E experts in the model, L = E / R experts on this rank.
@@ -87,12 +89,15 @@ class AllGatherExpertParallelDispatcher(TokenDispatcher):
         self.group = group
         self.ep_size = ep_size
         self.rank = dist.get_rank(group)
+        self._last_eager_uneven = False
 
     def run(self, x_TH: torch.Tensor, routing: Routing, experts, *, num_experts: int) -> torch.Tensor:
         ep, group, top_k = self.ep_size, self.group, routing.experts_TK.shape[1]
-        if not _capturing():
-            self._check_same_tokens(x_TH.shape[0])
+        num_tokens = x_TH.shape[0]
         num_local = num_experts // ep
+        padded_tokens = self._padded_tokens(num_tokens)
+        if padded_tokens > num_tokens:  # a shorter micro-batch than a peer's (eager only): pad it
+            x_TH, routing = _pad_tokens(x_TH, routing, padded_tokens, num_experts=num_experts)
         x_GH = all_gather_rows(x_TH, group=group, world=ep)
         weights_GK = all_gather_rows(routing.weights_TK, group=group, world=ep)
         experts_GK = _gather(routing.experts_TK, group, ep)  # integer ids: no gradient
@@ -115,7 +120,7 @@ class AllGatherExpertParallelDispatcher(TokenDispatcher):
         # the model dtype once, as on one device: bf16 outputs equal the local dispatcher's, and routing
         # decisions downstream do not flip on rounding differences.
         partial_GH = moe_combine(y_NH, weights_GK, order_N, num_valid=num_valid, out_dtype=_partial_dtype(y_NH))
-        return reduce_scatter_rows(partial_GH, group=group, world=ep)
+        return reduce_scatter_rows(partial_GH, group=group, world=ep)[:num_tokens]
 
     def dispatch(self, x_TH, routing, *, num_experts):
         raise NotImplementedError("AllGatherExpertParallelDispatcher combines inside run(); call run()")
@@ -123,17 +128,33 @@ class AllGatherExpertParallelDispatcher(TokenDispatcher):
     def combine(self, y_NH, state):
         raise NotImplementedError("AllGatherExpertParallelDispatcher combines inside run(); call run()")
 
-    def _check_same_tokens(self, num_tokens: int) -> None:
+    def _padded_tokens(self, num_tokens: int) -> int:
+        """The largest token count of the group (eager: one host sync); under capture this rank's own,
+        which the eager warm-up of the captured step found equal on every rank."""
+        if _capturing():
+            if self._last_eager_uneven:
+                raise ValueError(
+                    "ep_dispatch='allgather' is being captured in a CUDA graph with different token counts on the "
+                    "ranks of the expert-parallel group: pack or pad every micro-batch to one shape"
+                )
+            return num_tokens
         mine = torch.tensor([num_tokens], dtype=torch.int64, device=_collective_device(self.group))
         counts = _gather(mine, self.group, self.ep_size).tolist()  # host sync (eager calls only)
-        if len(set(counts)) > 1:
-            raise ValueError(
-                f"ep_dispatch='allgather' needs the same number of tokens on every rank of the expert-parallel "
-                f"group, got {counts} (pad or pack every micro-batch to one shape, or use ep_dispatch='alltoall')"
-            )
+        self._last_eager_uneven = len(set(counts)) > 1
+        return max(counts)
 
     def __repr__(self) -> str:
         return f"AllGatherExpertParallelDispatcher(ep_size={self.ep_size})"
+
+
+def _pad_tokens(x_TH: torch.Tensor, routing: Routing, num_tokens: int, *, num_experts: int) -> tuple[torch.Tensor, Routing]:
+    """Pad to ``num_tokens`` with zero rows routed to expert id ``num_experts`` (on no rank: padding
+    slots everywhere) with weight 0; the caller drops their outputs."""
+    extra = num_tokens - x_TH.shape[0]
+    x_TH = torch.cat([x_TH, x_TH.new_zeros(extra, x_TH.shape[1])])
+    weights_TK = torch.cat([routing.weights_TK, routing.weights_TK.new_zeros(extra, routing.weights_TK.shape[1])])
+    experts_TK = torch.cat([routing.experts_TK, routing.experts_TK.new_full((extra, routing.experts_TK.shape[1]), num_experts)])
+    return x_TH, Routing(routing.logits_TE, weights_TK, experts_TK)
 
 
 def _partial_dtype(y: torch.Tensor) -> torch.dtype:

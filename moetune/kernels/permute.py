@@ -110,8 +110,8 @@ if HAS_TRITON:
         for k in range(0, top_k):
             row = tl.load(inverse_ptr + t * top_k + k).to(tl.int64)
             row_mask = mask
-            if HAS_NUM_VALID:
-                row_mask = mask & (row < num_valid)
+            if HAS_NUM_VALID:  # broadcast the row's flag to the block (Triton 3.9's interpreter needs it)
+                row_mask = mask & ((cols * 0 + row) < num_valid)
             y = tl.load(y_ptr + row * stride_y + cols, mask=row_mask, other=0.0).to(tl.float32)
             if HAS_WEIGHTS:
                 y = y * tl.load(w_ptr + t * top_k + k).to(tl.float32)

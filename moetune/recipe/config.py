@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moetune.lora import LoraSettings
+from moetune.options import DENSE_PARALLEL, EP_DISPATCH
 
 DEFAULT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "default"
 """The shipped default job's files: tiny Qwen3-MoE config, tokenizer, arithmetic dataset."""
@@ -169,6 +170,13 @@ class DistributedConfig:
     """With ep_size > 1: split each MoE layer's tokens into this many chunks so that on GPU the
     all-to-alls of one chunk overlap the experts' compute of another (same results; when it pays:
     moetune/distributed/README.md); 1 = no overlap."""
+    ep_dispatch: str = "alltoall"
+    """With ep_size > 1: "alltoall" (each routed copy of a token goes to its expert's rank) or
+    "allgather" (every rank gets the group's tokens; fewer bytes when ep_size <= top-k); see
+    moetune/distributed/README.md."""
+    dense_parallel: str = "fsdp"
+    """With ep_size > 1, the non-expert parameters: "fsdp" (sharded) or "replicate" (whole on every
+    rank, gradients all-reduced; needs ep_size == number of processes)."""
     reduce_dtype: str = "float32"
     """Gradient reduce-scatter dtype with ep_size > 1 ("float32" exact sums, or "bfloat16")."""
     backend: str = ""
@@ -218,6 +226,13 @@ def validate(config: JobConfig) -> JobConfig:
     check(not (config.lora.enabled and config.lora.export_merged and config.distributed.ep_size > 1),
           "lora.export_merged", "merging adapters into expert-parallel shards is not supported; set it to "
           "false (the PEFT adapter is still exported; merge it in one process with moetune.lora.merge_lora)")
+    check(config.distributed.ep_dispatch in EP_DISPATCH, "distributed.ep_dispatch",
+          f"{config.distributed.ep_dispatch!r} is not one of {EP_DISPATCH}")
+    check(config.distributed.dense_parallel in DENSE_PARALLEL, "distributed.dense_parallel",
+          f"{config.distributed.dense_parallel!r} is not one of {DENSE_PARALLEL}")
+    check(config.distributed.ep_dispatch == "alltoall" or config.distributed.ep_overlap_chunks == 1,
+          "distributed.ep_overlap_chunks", "chunked overlap refines the all-to-all dispatcher; with "
+          "distributed.ep_dispatch 'allgather' leave it at 1")
     check(config.distributed.reduce_dtype in ("float32", "bfloat16"), "distributed.reduce_dtype",
           f"{config.distributed.reduce_dtype!r} is not one of ('float32', 'bfloat16')")
     check(config.data.on_bad_row in ON_BAD_ROW, "data.on_bad_row",

@@ -52,6 +52,8 @@ def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora) -> di
     return {
         "ep_size": config.ep_size,
         "ep_overlap_chunks": config.ep_overlap_chunks,
+        "ep_dispatch": config.ep_dispatch,
+        "dense_parallel": config.dense_parallel,
         "reduce_dtype": getattr(torch, config.reduce_dtype),
         "lora": lora,
     }

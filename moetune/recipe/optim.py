@@ -15,7 +15,8 @@ from moetune.recipe.config import OptimConfig
 
 def build_optimizer(params: list[torch.nn.Parameter], config: OptimConfig, *,
                     device: torch.device) -> torch.optim.Optimizer:
-    """AdamW over trainable params: moetune's kernel on CUDA, torch's fused kernel on CPU."""
+    """AdamW over trainable params: moetune's kernel on CUDA (and for replicated + expert-parallel
+    parameters anywhere), torch's fused kernel on CPU."""
     if not params:
         raise ValueError("no trainable parameters (with lora.enabled, check lora.targets)")
     decay = [p for p in params if p.ndim >= 2]
@@ -23,14 +24,22 @@ def build_optimizer(params: list[torch.nn.Parameter], config: OptimConfig, *,
     groups = [{"params": decay, "weight_decay": config.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
-    if device.type == "cuda":
+    if device.type == "cuda" or _mixes_dtensors(params):
         # The same update as torch's fused AdamW, one Triton kernel per tensor: about twice its
-        # bandwidth on large expert tensors (benchmarks/README.md).
+        # bandwidth on large expert tensors (benchmarks/README.md). It also steps each tensor on its
+        # own, which replicated parameters next to expert-parallel DTensors need
+        # (distributed.dense_parallel "replicate"): torch's fused / foreach kernels cannot mix them.
         from moetune.optim import AdamW
 
         return AdamW(groups, lr=lr_at(0, config, total_steps=1), betas=tuple(config.betas), eps=config.eps)
     return torch.optim.AdamW(groups, lr=lr_at(0, config, total_steps=1), betas=tuple(config.betas),
                              eps=config.eps, fused=device.type == "cpu")
+
+
+def _mixes_dtensors(params: list[torch.nn.Parameter]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return len({isinstance(p, DTensor) for p in params}) > 1
 
 
 def lr_at(step: int, config: OptimConfig, *, total_steps: int) -> float:

@@ -599,10 +599,8 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
 def allgather_dispatcher(rank: int, world_size: int) -> None:
     """``AllGatherExpertParallelDispatcher.run`` with experts that scale each row by a weight of its
     expert (and write NaN into the padding rows, which must not leak): output and the gradients of
-    the tokens, routing weights and expert weights equal the local dispatcher's; the token counts of
-    the ranks must agree."""
-    import pytest
-
+    the tokens, routing weights and expert weights equal the local dispatcher's; ranks with different
+    token counts (padded) too."""
     from moetune.distributed import AllGatherExpertParallelDispatcher
     from moetune.moe import LocalTokenDispatcher, Routing
 
@@ -642,9 +640,21 @@ def allgather_dispatcher(rank: int, world_size: int) -> None:
     mine = slice(rank * num_local, (rank + 1) * num_local)
     torch.testing.assert_close(grads[2][mine], expert_grads[mine] / world_size)
 
-    uneven = torch.randn(num_tokens + rank, hidden)
-    uneven_routing = Routing(torch.zeros(num_tokens + rank, num_experts), torch.rand(num_tokens + rank, top_k), experts[:1].expand(num_tokens + rank, -1))
-    with pytest.raises(ValueError, match="same number of tokens on every rank"):
-        AllGatherExpertParallelDispatcher(group=dist.group.WORLD, ep_size=world_size).run(
-            uneven, uneven_routing, scaled_rows(rank * num_local), num_experts=num_experts
-        )
+    # Different token counts on the ranks (generation, unpacked batches): the shorter rank is padded.
+    uneven_tokens = num_tokens + 3 * rank
+    x_uneven = torch.randn(uneven_tokens, hidden, generator=gen, requires_grad=True)
+    uneven_routing = Routing(
+        torch.zeros(uneven_tokens, num_experts),
+        torch.rand(uneven_tokens, top_k, generator=gen),
+        torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(uneven_tokens)]),
+    )
+    local = LocalTokenDispatcher().run(x_uneven, uneven_routing, scaled_rows(0), num_experts=num_experts)
+    dispatcher = AllGatherExpertParallelDispatcher(group=dist.group.WORLD, ep_size=world_size)
+    got = dispatcher.run(x_uneven, uneven_routing, scaled_rows(rank * num_local), num_experts=num_experts)
+    assert got.shape == local.shape
+    torch.testing.assert_close(got, local)
+    probe_uneven = torch.randn(uneven_tokens, hidden, generator=gen)
+    torch.testing.assert_close(
+        torch.autograd.grad((got * probe_uneven).sum(), x_uneven)[0],
+        torch.autograd.grad((local * probe_uneven).sum(), x_uneven)[0],
+    )
