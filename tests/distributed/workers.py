@@ -658,3 +658,14 @@ def allgather_dispatcher(rank: int, world_size: int) -> None:
         torch.autograd.grad((got * probe_uneven).sum(), x_uneven)[0],
         torch.autograd.grad((local * probe_uneven).sum(), x_uneven)[0],
     )
+    # A CUDA-graph capture skips the count exchange: after an uneven eager call it must refuse.
+    import pytest
+
+    import moetune.distributed.allgather_dispatcher as allgather_module
+
+    capturing, allgather_module._capturing = allgather_module._capturing, lambda: True
+    try:
+        with pytest.raises(ValueError, match="different token counts"):
+            dispatcher.run(x_uneven, uneven_routing, scaled_rows(rank * num_local), num_experts=num_experts)
+    finally:
+        allgather_module._capturing = capturing
