@@ -10,7 +10,9 @@ expert-parallel step can be captured in a CUDA graph (moetune.training.CUDAGraph
 How: each parameter's gradient is all-reduced (averaged) as soon as autograd has accumulated it, on
 NCCL's stream, overlapping the rest of the backward; the end of the backward waits for all of them.
 The gradient is reduced in its own dtype (bf16 for bf16 models: one rounding of a two-term sum at
-ep = 2). Ranks start equal: the parameters are broadcast from the group's first rank once.
+ep = 2). Ranks start equal: the parameters are broadcast from the group's first rank once. With
+gradient accumulation every backward reduces the accumulated gradient again, which is still the
+average (the part averaged before is equal on every rank).
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ class ReplicatedGradientSync:
         self._handles = []
 
     def _reduce(self, param: nn.Parameter) -> None:
-        if not self._pending:
-            torch.autograd.Variable._execution_engine.queue_callback(self._wait_all)
         op = dist.ReduceOp.AVG if self.average_in_collective else dist.ReduceOp.SUM
         self._pending.append((param.grad, dist.all_reduce(param.grad, op=op, group=self.group, async_op=True)))
+        # Queued by every hook (the later calls find nothing left to wait for): no state that a
+        # backward interrupted by an exception could leave stale for the next one.
+        torch.autograd.Variable._execution_engine.queue_callback(self._wait_all)
 
     def _wait_all(self) -> None:
         pending, self._pending = self._pending, []

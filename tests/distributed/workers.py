@@ -574,6 +574,12 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
         rank, world_size, folder, what="allgather + replicate + AC", ep_size=world_size, enable_ac=True, **ALLGATHER_REPLICATE
     )
     one_step_parity(rank, world_size, folder, what="allgather + FSDP2", ep_size=world_size, ep_dispatch="allgather")
+    # Gradient accumulation: each backward all-reduces the accumulated gradients again; still the average.
+    model, ref = _load(folder, ep_size=world_size, **ALLGATHER_REPLICATE), _load(folder)
+    for step in (0, 1):
+        distributed_loss(model, step, rank, world_size, 64).backward()
+        reference_loss(ref, step, world_size, 64).backward()
+    _compare_grads(model, ref, what="allgather + replicate, two accumulated backwards")
     # torch's multi-tensor AdamW cannot take plain and DTensor parameters in one list: a clear error.
     import pytest
 
