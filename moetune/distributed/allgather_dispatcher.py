@@ -1,6 +1,7 @@
-"""Expert parallelism with fixed shapes and no host synchronisation: all-gather the tokens of the
-ep group, run this rank's experts on every routed copy that chose one of them, reduce-scatter the
-partial outputs back (Megatron-LM's all-gather token dispatcher).
+"""Expert parallelism that a CUDA graph can capture: all-gather the tokens of the ep group, run this
+rank's experts on every routed copy that chose one of them, reduce-scatter the partial outputs back
+(Megatron-LM's all-gather token dispatcher). With equal token counts on the ranks every shape is
+fixed and nothing waits for the host.
 
 Why: ``ExpertParallelDispatcher``'s all-to-all needs its split sizes on the host, one
 synchronisation per MoE layer, so its step cannot be captured in a CUDA graph and on 2 H200s it
