@@ -35,9 +35,8 @@ import torch
 import torch.distributed as dist
 
 from moetune.distributed.dispatcher import scale_grad
-from moetune.kernels import moe_combine, moe_permute
+from moetune.kernels import moe_combine
 from moetune.moe.dispatch import TokenDispatcher, apply_experts, tokens_per_expert
-from moetune.moe.experts import GroupedExperts
 from moetune.moe.routing import Routing
 
 # torch >= 2.13 renamed the tensor collectives; older versions only have the first names.
@@ -111,10 +110,7 @@ class AllGatherExpertParallelDispatcher(TokenDispatcher):
         # Expert weights' gradients: see dispatcher.rows_by_source (scaled by 1/ep entering the
         # experts, by ep leaving them).
         x_GH = scale_grad(x_GH, float(ep))
-        if isinstance(experts, GroupedExperts):  # gathers its own rows, keeps no copy of them for backward
-            y_NH = apply_experts(experts, x_GH, counts_L, gather_order=order_N, gather_top_k=top_k)
-        else:
-            y_NH = apply_experts(experts, moe_permute(x_GH, order_N, top_k, num_valid=num_valid), counts_L)
+        y_NH = apply_experts(experts, x_GH, counts_L, gather_order=order_N, gather_top_k=top_k)
         y_NH = scale_grad(y_NH, 1.0 / ep)
         # Padding rows (copies routed to other ranks) are undefined memory: the combine never reads them.
         # The partial sums stay in fp32 through the reduce-scatter, so each token's output is rounded to

@@ -79,6 +79,12 @@ def _install_optimizer_check() -> None:
         _optimizer_check_installed = True
 
 
+def mixes_plain_and_dtensors(params: Iterable[torch.Tensor]) -> bool:
+    """Whether ``params`` hold both plain tensors and DTensors (what torch's foreach / fused
+    optimizer kernels cannot take in one list)."""
+    return len({isinstance(p, DTensor) for p in params}) > 1
+
+
 def check_optimizer_tensor_kinds(optimizer: torch.optim.Optimizer, *_args) -> None:
     """A replicated model mixes plain parameters with the experts' DTensors; torch's foreach / fused
     kernels cannot take both in one list (a DTensor "mixed torch.Tensor and DTensor" error deep in the
@@ -91,7 +97,7 @@ def check_optimizer_tensor_kinds(optimizer: torch.optim.Optimizer, *_args) -> No
         return
     for index, group in enumerate(optimizer.param_groups):
         params = group["params"]
-        mixed = len({isinstance(p, DTensor) for p in params}) > 1
+        mixed = mixes_plain_and_dtensors(params)
         multi_tensor = group.get("fused") or group.get("foreach") or (
             group.get("foreach") is None and all(p.is_cuda for p in params)  # torch's default on CUDA
         )

@@ -79,6 +79,19 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
     materialises a [S, S] mask that makes cuDNN attention ~3x slower.
     """
 
+    def _init_decoder_backbone(self, config, *, pretrained_cls: type, layer_cls: type, norm_cls: type, rotary_cls: type) -> None:
+        """Transformers' decoder-only ``XModel.__init__`` up to ``post_init`` (left to the caller):
+        embeddings, ``layer_cls(config, i)`` per layer, the final ``norm_cls`` and RoPE, in
+        Transformers' order (so state dicts list the same keys in the same order)."""
+        pretrained_cls.__init__(self, config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = torch.nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = torch.nn.ModuleList(layer_cls(config, i) for i in range(config.num_hidden_layers))
+        self.norm = norm_cls(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = rotary_cls(config=config)
+        self.gradient_checkpointing = False
+
     def forward(self, *args, output_router_logits: bool | None = None, **kwargs):
         if output_router_logits is None:
             output_router_logits = bool(getattr(self.config, "output_router_logits", False))

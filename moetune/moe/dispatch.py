@@ -54,12 +54,18 @@ def apply_experts(
     """``experts(x, counts)``, made a function of ``x`` also when it has no rows. An experts module
     given no rows may return an output that ignores them; autograd would then skip this rank's backward
     of the all-to-all that delivered them, while the ranks that sent it rows run theirs: the
-    collectives would pair up wrongly. With ``gather_order`` (a ``GroupedExperts`` only) ``x`` is the
-    un-gathered source rows and the experts gather ``x[gather_order // gather_top_k]`` themselves."""
+    collectives would pair up wrongly.
+
+    With ``gather_order`` ``x`` holds the un-gathered tokens and the rows are
+    ``x[gather_order // gather_top_k]`` (those past ``counts.sum()`` are padding): a ``GroupedExperts``
+    gathers them inside its first GEMM and keeps no copy of them for the backward; any other experts
+    callable gets them gathered."""
     if gather_order is None:
         y_NH = experts(x, counts)
-    else:
+    elif isinstance(experts, GroupedExperts):
         y_NH = experts(x, counts, gather_order=gather_order, gather_top_k=gather_top_k)
+    else:
+        y_NH = experts(moe_permute(x, gather_order, gather_top_k, num_valid=counts.sum().reshape(1)), counts)
     return y_NH + 0 * x.sum() if x.shape[0] == 0 else y_NH
 
 
@@ -99,9 +105,9 @@ def unpermute(y_NH: torch.Tensor, state: PermutationState) -> torch.Tensor:
 class LocalTokenDispatcher(TokenDispatcher):
     """Single device (or no expert parallelism): permutation only, no communication, no host sync.
 
-    ``run`` hands a ``GroupedExperts`` the tokens un-gathered, with the order: it gathers them inside
-    its first GEMM and keeps only the tokens for the backward, not the K-times larger sorted copy
-    (``moetune.moe.experts.GatheredGroupedMM``). Other experts get the sorted rows."""
+    ``run`` hands the experts the tokens un-gathered, with the order (``apply_experts``): a
+    ``GroupedExperts`` gathers them inside its first GEMM and keeps only the tokens for the backward,
+    not the K-times larger sorted copy (``moetune.moe.experts.GatheredGroupedMM``)."""
 
     def dispatch(self, x_TH, routing, *, num_experts):
         return permute(x_TH, routing, num_experts=num_experts)
@@ -110,8 +116,6 @@ class LocalTokenDispatcher(TokenDispatcher):
         return unpermute(y_NH, state)
 
     def run(self, x_TH, routing, experts, *, num_experts):
-        if not isinstance(experts, GroupedExperts):
-            return super().run(x_TH, routing, experts, num_experts=num_experts)
         order_N, counts_E, state = sort_by_expert(routing, num_experts=num_experts)
         y_NH = apply_experts(experts, x_TH, counts_E, gather_order=order_N, gather_top_k=routing.experts_TK.shape[1])
         return unpermute(y_NH, state)

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from moetune.distributed.replicate import mixes_plain_and_dtensors
 from moetune.recipe.config import OptimConfig
 
 
@@ -24,7 +25,7 @@ def build_optimizer(params: list[torch.nn.Parameter], config: OptimConfig, *,
     groups = [{"params": decay, "weight_decay": config.weight_decay}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
-    if device.type == "cuda" or _mixes_dtensors(params):
+    if device.type == "cuda" or mixes_plain_and_dtensors(params):
         # The same update as torch's fused AdamW, one Triton kernel per tensor: about twice its
         # bandwidth on large expert tensors (benchmarks/README.md). It also steps each tensor on its
         # own, which replicated parameters next to expert-parallel DTensors need
@@ -34,12 +35,6 @@ def build_optimizer(params: list[torch.nn.Parameter], config: OptimConfig, *,
         return AdamW(groups, lr=lr_at(0, config, total_steps=1), betas=tuple(config.betas), eps=config.eps)
     return torch.optim.AdamW(groups, lr=lr_at(0, config, total_steps=1), betas=tuple(config.betas),
                              eps=config.eps, fused=device.type == "cpu")
-
-
-def _mixes_dtensors(params: list[torch.nn.Parameter]) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return len({isinstance(p, DTensor) for p in params}) > 1
 
 
 def lr_at(step: int, config: OptimConfig, *, total_steps: int) -> float:

@@ -11,7 +11,6 @@ that Hub checkpoints store as ``model.layers.61``.
 
 from __future__ import annotations
 
-from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
@@ -71,14 +70,13 @@ class DeepseekV3DecoderLayer(hf.DeepseekV3DecoderLayer):
 
 class DeepseekV3Model(MoetuneBaseModelMixin, hf.DeepseekV3Model):
     def __init__(self, config) -> None:
-        hf.DeepseekV3PreTrainedModel.__init__(self, config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = hf.DeepseekV3RotaryEmbedding(config=config)
-        self.gradient_checkpointing = False
+        self._init_decoder_backbone(
+            config,
+            pretrained_cls=hf.DeepseekV3PreTrainedModel,
+            layer_cls=DeepseekV3DecoderLayer,
+            norm_cls=RMSNorm,
+            rotary_cls=hf.DeepseekV3RotaryEmbedding,
+        )
         self.post_init()
 
 

@@ -14,7 +14,6 @@ GPT-OSS (the sinks), so moetune's default attention here is eager.
 from __future__ import annotations
 
 import torch
-from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
@@ -66,14 +65,13 @@ class GptOssDecoderLayer(hf.GptOssDecoderLayer):
 
 class GptOssModel(MoetuneBaseModelMixin, hf.GptOssModel):
     def __init__(self, config) -> None:
-        hf.GptOssPreTrainedModel.__init__(self, config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(GptOssDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = hf.GptOssRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = hf.GptOssRotaryEmbedding(config=config)
-        self.gradient_checkpointing = False
+        self._init_decoder_backbone(
+            config,
+            pretrained_cls=hf.GptOssPreTrainedModel,
+            layer_cls=GptOssDecoderLayer,
+            norm_cls=hf.GptOssRMSNorm,
+            rotary_cls=hf.GptOssRotaryEmbedding,
+        )
         self.post_init()
 
 

@@ -6,7 +6,6 @@ are Transformers' own; only the sparse block (and, on GPU, the fused norms) are 
 
 from __future__ import annotations
 
-from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
@@ -96,14 +95,13 @@ class Qwen3MoeDecoderLayer(hf.Qwen3MoeDecoderLayer):
 
 class Qwen3MoeModel(MoetuneBaseModelMixin, hf.Qwen3MoeModel):
     def __init__(self, config) -> None:
-        hf.Qwen3MoePreTrainedModel.__init__(self, config)
-        self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = hf.Qwen3MoeRotaryEmbedding(config=config)
-        self.gradient_checkpointing = False
+        self._init_decoder_backbone(
+            config,
+            pretrained_cls=hf.Qwen3MoePreTrainedModel,
+            layer_cls=Qwen3MoeDecoderLayer,
+            norm_cls=RMSNorm,
+            rotary_cls=hf.Qwen3MoeRotaryEmbedding,
+        )
         self.post_init()
 
 
