@@ -14,6 +14,7 @@
 #   gputests  the GPU-marked tests of the CUDA-graph step, optimizer, loss kernel, kernels, gathered
 #             experts and the DeepSeek-V3 / GPT-OSS / Nemotron-H bf16 parity
 #   graph     row A with moetune's step replayed from CUDA graphs (--moetune-cuda-graph)
+#   graphtriton  moetune alone, graphed, with experts_backend=triton (Triton row GEMMs)
 #   graph16l  moetune alone at 16 layers, eager and graphed (the one-GPU reference of row B)
 #   profile   benchmarks/profile_step.py: kernels and GPU idle time of one step, eager and graphed
 #
@@ -85,6 +86,12 @@ fi
 if stage graph; then
   echo "== row A, moetune's step replayed from CUDA graphs (Transformers side measured in the same run)"
   bench 150 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --moetune-optimizer moetune --moetune-cuda-graph
+fi
+
+if stage graphtriton; then
+  echo "== row A graphed, moetune alone with the Triton experts GEMMs (experts_backend=triton)"
+  bench 120 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune \
+    --moetune-cuda-graph --moetune-option experts_backend=triton
 fi
 
 if stage strict; then

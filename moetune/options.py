@@ -16,7 +16,8 @@ class MoetuneOptions:
     balanced_gate: bool = False
     """Benchmark gate: assignment slot j of tokens x top_k goes to expert j mod E, weight 1/top_k."""
     experts_backend: str = "auto"
-    """'auto' (grouped GEMM on CUDA bf16, per-expert loop elsewhere), 'grouped_mm' or 'loop'."""
+    """'auto' (torch's grouped GEMM on CUDA bf16, per-expert loop elsewhere), 'grouped_mm', 'triton'
+    (moetune's Triton row GEMMs with the gather fused in; torch's weight-gradient GEMM) or 'loop'."""
     lora: Any = None
     """A ``moetune.lora.LoraSettings``: add LoRA adapters (base weights frozen). Under ``ep_size`` /
     ``device_mesh`` they are added after expert parallelism and before FSDP2, as sharding needs."""

@@ -92,7 +92,7 @@ def check_gathered_equals_plain(kind, backend, *, num_remote, device="cpu", dtyp
 
 
 @pytest.mark.parametrize("num_remote", [0, 3], ids=["no_padding", "padding"])
-@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm", "triton"])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_gathered_input_equals_gathering_first(kind, backend, num_remote):
     check_gathered_equals_plain(kind, backend, num_remote=num_remote)
@@ -132,7 +132,7 @@ def _routing(num_tokens: int, top_k: int, num_experts: int) -> Routing:
     return Routing(torch.zeros(num_tokens, num_experts), weights_TK, experts_TK)
 
 
-@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm", "triton"])
 @pytest.mark.parametrize("num_tokens", [9, 0])
 def test_local_dispatcher_gathers_inside_the_experts(backend, num_tokens):
     """``LocalTokenDispatcher.run`` (experts gather their rows) equals dispatch -> experts -> combine,
@@ -166,9 +166,10 @@ def test_local_dispatcher_passes_sorted_rows_to_other_experts():
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("num_remote", [0, 4], ids=["no_padding", "padding"])
+@pytest.mark.parametrize("backend", ["auto", "triton"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_gathered_input_equals_gathering_first_bf16_cuda(kind, num_remote):
-    check_gathered_equals_plain(kind, "auto", num_remote=num_remote, device="cuda", dtype=torch.bfloat16)
+def test_gathered_input_equals_gathering_first_bf16_cuda(kind, backend, num_remote):
+    check_gathered_equals_plain(kind, backend, num_remote=num_remote, device="cuda", dtype=torch.bfloat16)
 
 
 @pytest.mark.gpu

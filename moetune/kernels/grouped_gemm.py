@@ -37,10 +37,11 @@ def grouped_rows_mm_reference(
     """Per-expert loop (one host sync for the boundaries); padding rows are zero here."""
     rows = a if gather_order is None else a.index_select(0, gather_order // top_k)
     out = rows.new_zeros(rows.shape[0], b_EKC.shape[-1])
+    compute = torch.promote_types(a.dtype, torch.float32)
     ends = offsets_E.tolist()
     for expert, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
         if end > start:
-            out[start:end] = (rows[start:end].float() @ b_EKC[expert].float()).to(out.dtype)
+            out[start:end] = (rows[start:end].to(compute) @ b_EKC[expert].to(compute)).to(out.dtype)
     return out
 
 
@@ -50,9 +51,10 @@ def grouped_weight_grad_reference(
 ) -> torch.Tensor:  # fmt: skip
     q_rows = q if q_gather_order is None else q.index_select(0, q_gather_order // top_k)
     out = p.new_zeros(offsets_E.numel(), p.shape[1], q.shape[1])
+    compute = torch.promote_types(p.dtype, torch.float32)
     ends = offsets_E.tolist()
     for expert, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
-        out[expert] = (p[start:end].float().t() @ q_rows[start:end].float()).to(out.dtype)
+        out[expert] = (p[start:end].to(compute).t() @ q_rows[start:end].to(compute)).to(out.dtype)
     return out
 
 

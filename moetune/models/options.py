@@ -6,8 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from moetune.moe import ROUTERS, GroupedExperts
-
-EXPERTS_BACKENDS = ("auto", "grouped_mm", "loop")
+from moetune.moe.experts import EXPERTS_BACKENDS
 
 
 def set_moe_options(model: nn.Module, *, balanced_gate: bool | None = None, experts_backend: str | None = None) -> None:

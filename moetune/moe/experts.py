@@ -16,9 +16,14 @@ from torch import nn
 
 from moetune.kernels import moe_permute, swiglu
 from moetune.kernels._triton_utils import Impl
+from moetune.kernels.grouped_gemm import grouped_rows_mm, grouped_weight_grad
 from moetune.kernels.permute import permute_rows, permute_rows_backward
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+EXPERTS_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
+"""``auto``: torch's grouped GEMM on CUDA bf16, the per-expert loop elsewhere; ``triton``: moetune's
+Triton row GEMMs (the dispatch gather fused into the first one) with torch's weight-gradient GEMM."""
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -66,8 +71,8 @@ class GroupedExperts(nn.Module):
         swiglu_limit: float = 7.0,
     ) -> None:
         super().__init__()
-        if backend not in ("auto", "grouped_mm", "loop"):
-            raise ValueError(f"experts backend must be 'auto', 'grouped_mm' or 'loop', got {backend!r}")
+        if backend not in EXPERTS_BACKENDS:
+            raise ValueError(f"experts backend must be one of {EXPERTS_BACKENDS}, got {backend!r}")
         if activation == "clamped_swiglu" and not gated:
             raise ValueError("activation 'clamped_swiglu' needs gated experts")
         self.num_experts = num_experts
@@ -177,11 +182,13 @@ def run_experts(
     """
     if gather_order is not None:
         _check_gather(x, gather_order, gather_top_k)
-    if backend == "grouped_mm" or (backend == "auto" and grouped_mm_supported(x)):
+    if backend in ("grouped_mm", "triton") or (backend == "auto" and grouped_mm_supported(x)):
         # No host sync: the group boundaries stay on the device.
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
         x, w_EHX = x.to(in_proj.dtype), in_proj.transpose(-2, -1)
-        if gather_order is None:
+        if backend == "triton":
+            h_NX = TritonGroupedLinear.apply(x, in_proj, offsets_E, gather_order, gather_top_k)
+        elif gather_order is None:
             h_NX = _grouped_mm(x, w_EHX, offs=offsets_E)
         else:
             h_NX = GatheredGroupedMM.apply(x, w_EHX, gather_order, offsets_E, gather_top_k)
@@ -190,7 +197,11 @@ def run_experts(
             rows = torch.arange(h_NX.shape[0], device=x.device, dtype=torch.int32)
             expert_N = torch.searchsorted(offsets_E, rows, right=True)  # E for padding rows
         h_NX = h_NX if in_bias is None else h_NX + _bias_rows(in_bias, expert_N)
-        y_NH = _grouped_mm(activate(h_NX, offsets_E[-1:]), down_proj.transpose(-2, -1), offs=offsets_E)
+        a_NI = activate(h_NX, offsets_E[-1:])
+        if backend == "triton":
+            y_NH = TritonGroupedLinear.apply(a_NI, down_proj, offsets_E, None, 1)
+        else:
+            y_NH = _grouped_mm(a_NI, down_proj.transpose(-2, -1), offs=offsets_E)
         return y_NH if down_bias is None else y_NH + _bias_rows(down_bias, expert_N)
     if gather_order is not None:
         num_valid = tokens_per_expert_E.sum().reshape(1)
@@ -272,6 +283,46 @@ class GatheredGroupedMM(torch.autograd.Function):
             else:
                 dw_EHX = _grouped_mm(x_NH.t(), dh_NX, offs=offsets_E)
         return dx_TH, dw_EHX, None, None, None, None
+
+
+class TritonGroupedLinear(torch.autograd.Function):
+    """Rows ``x_rows[offsets[e-1]:offsets[e]] @ w_EOI[e].T`` with moetune's Triton row GEMM, where
+    ``x_rows`` is ``x`` or, with ``order_N``, ``x[order_N // K]`` gathered inside the GEMM's loads.
+
+    Backward: the data gradient with the same kernel (then the deterministic gather-sum back to
+    ``x``'s rows when gathered), the weight gradient with torch's grouped GEMM, which runs the
+    short-reduction shape (~256 rows per expert) faster than the Triton kernel
+    (``benchmarks/results/grouped_gemm_probe_h200_032b0de.jsonl``). Rows ``>= offsets[-1]`` are
+    padding, skipped everywhere. Saves ``x`` (not the gathered rows), as ``GatheredGroupedMM`` does.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_EOI, offsets_E, order_N, top_k: int, impl: Impl = "auto"):
+        ctx.save_for_backward(x, w_EOI, offsets_E, order_N)
+        ctx.top_k, ctx.impl = top_k, impl
+        return grouped_rows_mm(x, w_EOI.transpose(-2, -1), offsets_E, gather_order=order_N, top_k=top_k, impl=impl)
+
+    @staticmethod
+    def backward(ctx, dh_NO):
+        x, w_EOI, offsets_E, order_N = ctx.saved_tensors
+        dh_NO = dh_NO.contiguous()
+        num_valid = offsets_E[-1:]
+        dx = dw_EOI = None
+        if ctx.needs_input_grad[0]:
+            dx = grouped_rows_mm(dh_NO, w_EOI, offsets_E, impl=ctx.impl)
+            if order_N is not None:
+                dx = permute_rows_backward(dx, order_N, ctx.top_k, num_valid=num_valid, impl=ctx.impl)
+        if ctx.needs_input_grad[1]:
+            x_rows = x if order_N is None else permute_rows(x, order_N, ctx.top_k, num_valid=num_valid, impl=ctx.impl)
+            dw_EOI = _weight_grad(dh_NO, x_rows, offsets_E)
+        return dx, dw_EOI, None, None, None, None
+
+
+def _weight_grad(dh_NO: torch.Tensor, x_NI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """[E, O, I] = per group dh^T @ x: torch's grouped GEMM where it runs, else the reference loop."""
+    if grouped_mm_supported(x_NI):
+        return _grouped_mm(dh_NO.t(), x_NI, offs=offsets_E)
+    return grouped_weight_grad(dh_NO, x_NI, offsets_E, impl="torch")
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
