@@ -88,3 +88,16 @@ def test_linear_cross_entropy_refuses_a_second_backward():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward per forward"):
         loss.backward()
+
+
+@pytest.mark.parametrize("num_ids", [1, 128, 257, 40000])
+def test_sort_ids_equals_stable_argsort_and_bincount(num_ids):
+    """Narrowed keys (uint8 / int16 / int32) sort as the int64 ids do; counts from the sorted keys."""
+    from moetune.moe import sort_ids
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, num_ids, (3000,))
+    ids[:5] = num_ids - 1  # the largest id is representable in the narrowed type
+    order, counts = sort_ids(ids, num_ids)
+    assert torch.equal(order, torch.argsort(ids, stable=True))
+    assert counts.dtype == torch.int64 and torch.equal(counts, torch.bincount(ids, minlength=num_ids))

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from moetune.distributed.dispatcher import scale_grad
 from moetune.kernels import moe_combine
-from moetune.moe.dispatch import TokenDispatcher, apply_experts, tokens_per_expert
+from moetune.moe.dispatch import TokenDispatcher, apply_experts, sort_ids
 from moetune.moe.routing import Routing
 
 # torch >= 2.13 renamed the tensor collectives; older versions only have the first names.
@@ -104,8 +104,8 @@ class AllGatherExpertParallelDispatcher(TokenDispatcher):
         # Local expert id, or num_local for copies routed to another rank (sorted last: padding).
         local_GK = experts_GK - self.rank * num_local
         key_N = torch.where((local_GK >= 0) & (local_GK < num_local), local_GK, num_local).reshape(-1)
-        order_N = torch.argsort(key_N, stable=True)
-        counts_L = tokens_per_expert(key_N, num_local + 1)[:num_local]
+        order_N, counts_L = sort_ids(key_N, num_local + 1)
+        counts_L = counts_L[:num_local]
         num_valid = counts_L.sum().reshape(1)  # this rank's rows; the rest of the ep*T*K slots are padding
         # Expert weights' gradients: see dispatcher.rows_by_source (scaled by 1/ep entering the
         # experts, by ep leaving them).

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.kernels import moe_permute
-from moetune.moe.dispatch import PermutationState, TokenDispatcher, permute, tokens_per_expert, unpermute
+from moetune.moe.dispatch import PermutationState, TokenDispatcher, permute, sort_ids, unpermute
 from moetune.moe.routing import Routing
 
 
@@ -213,8 +213,8 @@ class CapacityExpertParallelDispatcher(TokenDispatcher):
         x_MH = all_to_all(send_SH, output_splits=splits, input_splits=splits, group=self.group)
         expert_M = torch.empty_like(meta_S)
         dist.all_to_all_single(expert_M, meta_S, group=self.group)
-        sort_M = torch.argsort(expert_M, stable=True)  # padding (id num_local) last
-        counts_L = tokens_per_expert(expert_M, num_local + 1)[:num_local]
+        sort_M, counts_L = sort_ids(expert_M, num_local + 1)  # padding (id num_local) last
+        counts_L = counts_L[:num_local]
         x_sorted_MH = rows_by_expert(x_MH, sort_M, ep_size=ep)
         return x_sorted_MH, counts_L, CapacityState(local, sort_M, slot_N, kept_N)
 

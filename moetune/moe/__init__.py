@@ -6,7 +6,7 @@ from moetune.moe.dispatch import (
     TokenDispatcher,
     permute,
     sort_by_expert,
-    tokens_per_expert,
+    sort_ids,
     unpermute,
 )
 from moetune.moe.experts import GroupedExperts
@@ -35,6 +35,6 @@ __all__ = [
     "load_balancing_loss",
     "permute",
     "sort_by_expert",
-    "tokens_per_expert",
+    "sort_ids",
     "unpermute",
 ]

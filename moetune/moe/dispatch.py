@@ -69,10 +69,18 @@ def apply_experts(
     return y_NH + 0 * x.sum() if x.shape[0] == 0 else y_NH
 
 
-def tokens_per_expert(experts_N: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Histogram of expert ids without a host sync (bincount sizes its output on the host)."""
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=experts_N.device)
-    return counts_E.scatter_add_(0, experts_N, torch.ones_like(experts_N))
+def sort_ids(ids_N: torch.Tensor, num_ids: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the stable order that sorts ``ids_N``, the count of each id in ``[0, num_ids)`` as int64),
+    without a host sync (``bincount`` sizes its output on the host).
+
+    The keys are narrowed to the smallest integer type that holds the ids first: torch's radix sort
+    makes one pass per key byte, so 128 experts sort in one pass instead of eight for int64 ids. The
+    counts come from the sorted keys (a binary search per id) instead of E-way atomic adds."""
+    key_dtype = torch.uint8 if num_ids <= 256 else torch.int16 if num_ids <= 32768 else torch.int32
+    sorted_N, order_N = torch.sort(ids_N.to(key_dtype), stable=True)
+    ids = torch.arange(num_ids, device=ids_N.device, dtype=key_dtype)
+    ends = torch.searchsorted(sorted_N, ids, right=True)
+    return order_N, torch.diff(ends, prepend=ends.new_zeros(1))
 
 
 @dataclass
@@ -85,9 +93,8 @@ class PermutationState:
 def sort_by_expert(routing: Routing, *, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, PermutationState]:
     """The order that sorts the T*K routed slots by expert (stable, so equal experts keep token order):
     (``order_N``, tokens per expert, state for ``unpermute``)."""
-    experts_N = routing.experts_TK.reshape(-1)
-    order_N = torch.argsort(experts_N, stable=True)
-    return order_N, tokens_per_expert(experts_N, num_experts), PermutationState(order_N, routing.weights_TK)
+    order_N, counts_E = sort_ids(routing.experts_TK.reshape(-1), num_experts)
+    return order_N, counts_E, PermutationState(order_N, routing.weights_TK)
 
 
 def permute(x_TH: torch.Tensor, routing: Routing, *, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, PermutationState]:
