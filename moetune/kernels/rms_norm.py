@@ -30,6 +30,9 @@ _BWD_PROGRAMS_PER_SM: int | None = None
 _BWD_NUM_WARPS: int | None = None
 
 
+_PARTIALS_BLOCK_N = 64  # columns per program of the partial-sum reduction
+
+
 def _bwd_launch_settings(num_cols: int) -> tuple[int, int, int | None]:
     """(row tile in elements, programs per SM, warps or None for warps_for) of the backward."""
     if next_pow2(num_cols) <= 256:  # q / k norms over head_dim
@@ -107,6 +110,21 @@ if HAS_TRITON:
         if COMPUTE_DW:
             tl.store(dw_partial_ptr + pid * num_cols + cols, dw_acc, mask=col_mask)
 
+    @triton.jit
+    def _sum_partials_kernel(
+        partial_ptr, out_ptr, num_partials, num_cols, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
+    ):
+        # out[c] = sum_p partial[p, c] in fp32, stored in the weight's dtype: one launch instead of
+        # torch's column reduction plus a cast (about 10 us -> 3 us per norm on an H200).
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < num_cols
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for p0 in range(0, num_partials, BLOCK_P):
+            ps = p0 + tl.arange(0, BLOCK_P)
+            mask = (ps < num_partials)[:, None] & col_mask[None, :]
+            acc += tl.sum(tl.load(partial_ptr + ps[:, None] * num_cols + cols[None, :], mask=mask, other=0.0), axis=0)
+        tl.store(out_ptr + cols, acc.to(out_ptr.dtype.element_ty), mask=col_mask)
+
 
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """[..., C] -> [R, C] with a unit column stride (a view whenever possible)."""
@@ -161,7 +179,13 @@ def _bwd_triton(
             num_rows, num_cols, dy2d.stride(0), x2d.stride(0), dx2d.stride(0), num_programs * block_m,
             COMPUTE_DW=compute_dw, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip
-    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
+    dw = None
+    if compute_dw:
+        dw = torch.empty_like(weight)
+        with device_of(dy2d):
+            _sum_partials_kernel[(triton.cdiv(num_cols, _PARTIALS_BLOCK_N),)](
+                dw_partial, dw, num_programs, num_cols, BLOCK_P=32, BLOCK_N=_PARTIALS_BLOCK_N, num_warps=4
+            )
     return dx, dw
 
 
