@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, num_sms, tl, triton, use_triton
+from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, tl, triton, use_triton
 
-# Launch settings; benchmarks/ce_probe.py measures the alternatives on an H200. _PROGRAMS_PER_SM None:
-# one program per row.
-_BLOCK_V = 4096
-_NUM_WARPS = 16
-_PROGRAMS_PER_SM: int | None = None
+# Launch settings measured on an H200 (benchmarks/ce_probe.py, benchmarks/results/ce_probe_h200_1872cf9.jsonl;
+# one 1766 x 151,936 bf16 chunk): 8 warps and 8192-column blocks 443.5 us, 16 / 4096 496.2 us. A
+# persistent grid of 1-4 programs per SM (hoping pass 2 would re-read rows from L2) was slower: 445-1132 us.
+_BLOCK_V = 8192
+_NUM_WARPS = 8
 
 
 def cross_entropy_grad_reference(
@@ -46,23 +46,10 @@ if HAS_TRITON:
     @triton.jit
     def _cross_entropy_grad_kernel(
         logits_ptr, targets_ptr, loss_ptr, normalizer_ptr,
-        num_rows, num_cols, stride_row, ignore_index, row_step,
+        num_cols, stride_row, ignore_index,
         BLOCK_V: tl.constexpr,
     ):  # fmt: skip
-        # Program pid takes rows pid, pid + row_step, ... (row_step = the grid size). With a grid of
-        # a few programs per SM the rows in flight fit in L2, so pass 2 re-reads them from L2.
-        pid = tl.program_id(0)
-        for row0 in range(0, num_rows, row_step):
-            row = (row0 + pid).to(tl.int64)
-            if row < num_rows:
-                _cross_entropy_grad_row(logits_ptr, targets_ptr, loss_ptr, normalizer_ptr, row, num_cols,
-                                        stride_row, ignore_index, BLOCK_V)  # fmt: skip
-
-    @triton.jit
-    def _cross_entropy_grad_row(
-        logits_ptr, targets_ptr, loss_ptr, normalizer_ptr, row, num_cols, stride_row, ignore_index,
-        BLOCK_V: tl.constexpr,
-    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * stride_row
         target = tl.load(targets_ptr + row)
         valid = target != ignore_index
@@ -115,13 +102,10 @@ def cross_entropy_grad_(
     num_rows, num_cols = logits_CV.shape
     loss_C = torch.empty(num_rows, dtype=torch.float32, device=logits_CV.device)
     normalizer = normalizer.to(device=logits_CV.device, dtype=torch.float32).reshape(1)
-    if num_rows == 0:
-        return loss_C
-    num_programs = num_rows if _PROGRAMS_PER_SM is None else min(num_rows, _PROGRAMS_PER_SM * num_sms(logits_CV.device))
     with device_of(logits_CV):
-        _cross_entropy_grad_kernel[(num_programs,)](
+        _cross_entropy_grad_kernel[(num_rows,)](
             logits_CV, targets_C, loss_C, normalizer,
-            num_rows, num_cols, logits_CV.stride(0), ignore_index, num_programs,
+            num_cols, logits_CV.stride(0), ignore_index,
             BLOCK_V=_BLOCK_V, num_warps=_NUM_WARPS,
         )  # fmt: skip
     return loss_C
