@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetune.kernels.router import softmax_topk
+
 
 @dataclass
 class Routing:
@@ -67,11 +69,9 @@ class SoftmaxTopKRouter(nn.Module):
         logits_TE = F.linear(x_TH, self.weight)
         if self.balanced:
             return balanced_routing(logits_TE, self.top_k)
-        probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-        top_probs_TK, experts_TK = torch.topk(probs_TE, self.top_k, dim=-1)
-        if self.normalize_top_k:
-            top_probs_TK = top_probs_TK / top_probs_TK.sum(dim=-1, keepdim=True)
-        return Routing(logits_TE, top_probs_TK.to(logits_TE.dtype), experts_TK)
+        # One Triton launch each way on CUDA (moetune.kernels.router); Transformers' torch ops elsewhere.
+        weights_TK, experts_TK = softmax_topk(logits_TE, self.top_k, normalize=self.normalize_top_k)
+        return Routing(logits_TE, weights_TK, experts_TK)
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, top_k={self.top_k}, normalize={self.normalize_top_k}, balanced={self.balanced}"
