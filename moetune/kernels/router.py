@@ -49,29 +49,29 @@ if HAS_TRITON:
     @triton.jit
     def _softmax_topk_fwd_kernel(
         logits_ptr, weights_ptr, experts_ptr, num_tokens, num_experts, stride_t,
-        K: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+        K: tl.constexpr, K_POW2: tl.constexpr, NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
     ):  # fmt: skip
         tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         experts = tl.arange(0, BLOCK_E)
         logits, probs = _softmax_rows(logits_ptr, tokens, experts, num_tokens, num_experts, stride_t)
-        token_mask = tokens < num_tokens
-        total = tl.zeros([BLOCK_T], dtype=tl.float32)
+        # The K best, best first, gathered into [BLOCK_T, K_POW2] tiles: one argmax per choice.
+        slots = tl.arange(0, K_POW2)
+        weights = tl.zeros([BLOCK_T, K_POW2], dtype=tl.float32)
+        chosen_experts = tl.zeros([BLOCK_T, K_POW2], dtype=tl.int32)
         remaining = logits
-        for k in tl.static_range(K):  # pass 1 (registers only): the sum of the chosen probabilities
+        for k in tl.static_range(K):
             chosen = tl.argmax(remaining, axis=1)
             is_chosen = experts[None, :] == chosen[:, None]
-            total += tl.sum(tl.where(is_chosen, probs, 0.0), axis=1)
+            weight = tl.sum(tl.where(is_chosen, probs, 0.0), axis=1)
+            weights = tl.where(slots[None, :] == k, weight[:, None], weights)
+            chosen_experts = tl.where(slots[None, :] == k, chosen[:, None], chosen_experts)
             remaining = tl.where(is_chosen, float("-inf"), remaining)
-        scale = 1.0 / total if NORMALIZE else tl.full([BLOCK_T], 1.0, tl.float32)
-        out = tokens.to(tl.int64) * K
-        remaining = logits
-        for k in tl.static_range(K):  # pass 2: write them, best first
-            chosen = tl.argmax(remaining, axis=1)
-            is_chosen = experts[None, :] == chosen[:, None]
-            weight = tl.sum(tl.where(is_chosen, probs, 0.0), axis=1) * scale
-            tl.store(weights_ptr + out + k, weight.to(weights_ptr.dtype.element_ty), mask=token_mask)
-            tl.store(experts_ptr + out + k, chosen.to(tl.int64), mask=token_mask)
-            remaining = tl.where(is_chosen, float("-inf"), remaining)
+        if NORMALIZE:
+            weights = weights / tl.sum(weights, axis=1)[:, None]
+        out = tokens.to(tl.int64)[:, None] * K + slots[None, :]
+        mask = (tokens < num_tokens)[:, None] & (slots < K)[None, :]
+        tl.store(weights_ptr + out, weights.to(weights_ptr.dtype.element_ty), mask=mask)
+        tl.store(experts_ptr + out, chosen_experts.to(tl.int64), mask=mask)
 
     @triton.jit
     def _softmax_topk_bwd_kernel(
@@ -121,7 +121,8 @@ class _SoftmaxTopK(torch.autograd.Function):
             with device_of(logits_TE):
                 _softmax_topk_fwd_kernel[(triton.cdiv(num_tokens, block_t),)](
                     logits_TE, weights_TK, experts_TK, num_tokens, num_experts, logits_TE.stride(0),
-                    K=top_k, NORMALIZE=normalize, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4,
+                    K=top_k, K_POW2=next_pow2(top_k), NORMALIZE=normalize, BLOCK_T=block_t, BLOCK_E=block_e,
+                    num_warps=4,
                 )  # fmt: skip
         ctx.save_for_backward(logits_TE, experts_TK)
         ctx.normalize = normalize

@@ -14,13 +14,13 @@ from kernel_test_utils import gpu
 def _grads(logits, top_k, normalize, impl):
     logits = logits.detach().clone().requires_grad_()
     weights, experts = softmax_topk(logits, top_k, normalize=normalize, impl=impl)
-    probe = torch.linspace(-1.0, 2.0, weights.numel()).view_as(weights).to(weights.dtype)
+    probe = torch.linspace(-1.0, 2.0, weights.numel(), device=weights.device).view_as(weights).to(weights.dtype)
     (grad,) = torch.autograd.grad((weights * probe).sum(), [logits])
     return weights, experts, grad
 
 
 @pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("num_experts, top_k", [(16, 4), (12, 3)], ids=["pow2", "non_pow2"])
+@pytest.mark.parametrize("num_experts, top_k", [(16, 4), (12, 3)], ids=["pow2", "non_pow2"])  # E and K
 def test_softmax_topk_kernel_interpreter(interpret, normalize, num_experts, top_k):
     torch.manual_seed(0)
     logits = torch.randn(37, num_experts) * 2  # several programs, a partial last one
@@ -63,9 +63,11 @@ def test_softmax_topk_kernel_bf16_cuda(normalize):
     logits = (torch.randn(4096, 128, device="cuda") * 0.5).to(torch.bfloat16)
     got = _grads(logits, 8, normalize, "triton")
     expected = _grads(logits, 8, normalize, "torch")
-    # The chosen set equals torch's wherever torch's top-k has no tie at the k-th place.
-    same = (got[1].sort(-1).values == expected[1].sort(-1).values).all(-1)
-    assert same.float().mean() > 0.99
-    torch.testing.assert_close(got[0][same].float(), expected[0][same].float(), atol=1e-2, rtol=1e-2)
-    grad, ref = got[2][same].float(), expected[2][same].float()
+    # torch.topk on CUDA also breaks ties at the k-th place by the lower index: the same experts for
+    # every token (benchmarks/results/router_probe_h200_8e06b27.jsonl: ~6% of tokens have such a tie).
+    # Equal probabilities inside the top k may come in another order (torch sorts them unstably).
+    assert torch.equal(got[1].sort(-1).values, expected[1].sort(-1).values)
+    same_order = (got[1] == expected[1]).all(-1)
+    torch.testing.assert_close(got[0][same_order].float(), expected[0][same_order].float(), atol=1e-2, rtol=1e-2)
+    grad, ref = got[2].float(), expected[2].float()
     assert (grad - ref).norm() / ref.norm() < 1e-2
