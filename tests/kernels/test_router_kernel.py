@@ -67,7 +67,9 @@ def test_softmax_topk_kernel_bf16_cuda(normalize):
     # every token (benchmarks/results/router_probe_h200_8e06b27.jsonl: ~6% of tokens have such a tie).
     # Equal probabilities inside the top k may come in another order (torch sorts them unstably).
     assert torch.equal(got[1].sort(-1).values, expected[1].sort(-1).values)
+    # Compare where the order agrees too: the probe weights each slot differently.
     same_order = (got[1] == expected[1]).all(-1)
+    assert same_order.float().mean() > 0.5
     torch.testing.assert_close(got[0][same_order].float(), expected[0][same_order].float(), atol=1e-2, rtol=1e-2)
-    grad, ref = got[2].float(), expected[2].float()
+    grad, ref = got[2][same_order].float(), expected[2][same_order].float()
     assert (grad - ref).norm() / ref.norm() < 1e-2
