@@ -67,12 +67,13 @@ class _CompileOnly:
         assert all(isinstance(g, int) and g > 0 for g in grid), grid
         assert grid[0] < 2**31 and all(g < 65536 for g in grid[1:]), f"grid {grid} exceeds CUDA limits"
 
-        def launch(*args, num_warps: int = 4, **constexprs):
+        def launch(*args, num_warps: int = 4, num_stages: int = 3, **constexprs):
             signature, constants, attrs = _signature(self.fn, args, constexprs)
-            key = (self.fn.__name__, tuple(sorted(signature.items())), tuple(sorted(constants.items())), num_warps)
+            key = (self.fn.__name__, tuple(sorted(signature.items())), tuple(sorted(constants.items())), num_warps, num_stages)
             if key not in _COMPILED:
                 source = ASTSource(self.fn, signature, constants, attrs)
-                _COMPILED[key] = triton.compile(source, target=HOPPER, options={"num_warps": num_warps})
+                options = {"num_warps": num_warps, "num_stages": num_stages}
+                _COMPILED[key] = triton.compile(source, target=HOPPER, options=options)
             assert "cubin" in _COMPILED[key].asm
 
         return launch
@@ -80,10 +81,10 @@ class _CompileOnly:
 
 @pytest.fixture
 def compile_only(monkeypatch):
-    for name in ("rms_norm", "swiglu", "rope", "permute"):
+    for name in ("rms_norm", "swiglu", "rope", "permute", "qk_norm_rope", "router", "grouped_gemm"):
         module = importlib.import_module(f"moetune.kernels.{name}")
         for attr, obj in list(vars(module).items()):
-            if isinstance(obj, JITFunction):
+            if isinstance(obj, JITFunction) and attr.endswith("_kernel"):  # launched kernels, not jit helpers
                 monkeypatch.setattr(module, attr, _CompileOnly(obj))
 
 
@@ -138,3 +139,35 @@ def test_permute_and_combine_compile_for_hopper(compile_only, dtype, hidden):
     from moetune.kernels.permute import permute_rows
 
     permute_rows(x_TH.detach(), order_N, top_k, num_valid=num_valid, impl="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_qk_norm_rope_compiles_for_hopper(compile_only, dtype):
+    from moetune.kernels.qk_norm_rope import qk_norm_rope
+
+    proj_q = torch.zeros(1, 64, 32 * 128, dtype=dtype, requires_grad=True)
+    proj_k = torch.zeros(1, 64, 4 * 128, dtype=dtype, requires_grad=True)
+    q, k = proj_q.view(1, 64, 32, 128), proj_k.view(1, 64, 4, 128)
+    weights = [torch.ones(128, dtype=dtype, requires_grad=True) for _ in range(2)]
+    cos = sin = torch.zeros(1, 64, 128, dtype=dtype)
+    _fwd_bwd(qk_norm_rope(q, k, *weights, cos, sin, 1e-6, impl="triton"), (proj_q, proj_k, *weights))
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_router_compiles_for_hopper(compile_only, normalize):
+    from moetune.kernels.router import softmax_topk
+
+    logits = torch.zeros(64, 128, dtype=torch.bfloat16, requires_grad=True)
+    weights, _ = softmax_topk(logits, 8, normalize=normalize, impl="triton")
+    _fwd_bwd(weights, (logits,))
+
+
+def test_grouped_gemm_compiles_for_hopper(compile_only):
+    from moetune.kernels.grouped_gemm import grouped_rows_mm, grouped_weight_grad
+
+    offsets = torch.tensor([100, 256, 512], dtype=torch.int32)
+    order = torch.randperm(512)
+    x, w = torch.zeros(64, 256, dtype=torch.bfloat16), torch.zeros(3, 384, 256, dtype=torch.bfloat16)
+    grouped_rows_mm(x, w.transpose(1, 2), offsets, gather_order=order, top_k=8, impl="triton")
+    grouped_rows_mm(torch.zeros(512, 384, dtype=torch.bfloat16), w, offsets, impl="triton")
+    grouped_weight_grad(torch.zeros(512, 384, dtype=torch.bfloat16), x, offsets, q_gather_order=order, top_k=8, impl="triton")
