@@ -46,6 +46,7 @@ _TILE = 2048  # elements per half-tile (heads x D/2) held in registers, as in ro
 # resident 16-warp program per SM; the persistent grid is 2 programs per SM.
 _BWD_PROGRAMS_PER_SM = 2
 _BWD_NUM_WARPS: int | None = None  # None: twice the forward's warps, at most 16
+_FWD_NUM_WARPS: int | None = None  # None: warps_for(the half-tile)
 
 
 def qk_norm_rope_reference(
@@ -274,6 +275,7 @@ def _fwd_triton(q, k, q_weight, k_weight, cos, sin, eps):
         return q_out, k_out, rstd_q, rstd_k
     cos, sin = _tables(cos, sin, batch)
     block_hq, block_hk, block_d, num_warps = _launch_sizes(num_q_heads, num_k_heads, head_dim)
+    num_warps = _FWD_NUM_WARPS or num_warps
     with device_of(q):
         _qk_norm_rope_fwd_kernel[(batch * seq_len,)](
             q, k, q_weight.contiguous(), k_weight.contiguous(), cos, sin, q_out, k_out, rstd_q, rstd_k,
