@@ -39,14 +39,14 @@ from moetune.kernels.rms_norm import _fwd_torch as _rms_norm_fwd_torch
 from moetune.kernels.rope import _rope_torch, _unit_last, apply_rope_reference
 
 _TILE = 2048  # elements per half-tile (heads x D/2) held in registers, as in rope.py
-# Backward launch settings, not yet measured on a GPU (the warps can be overridden for a probe).
-# The backward holds about twice the forward's live tensors per element (dy and x, dn and x_hat),
-# so it takes twice the warps: at Qwen3 shapes (a [32, 64] q half-tile, bf16) ptxas reports 206
-# registers a thread with 8 warps and 127 with 16 (no spills; the forward: 94 with 8), i.e. one
-# resident 16-warp program per SM; the persistent grid is 2 programs per SM.
+# Launch settings measured on an H200 with the forward + backward replayed from a CUDA graph
+# (benchmarks/qk_norm_rope_probe.py, benchmarks/results/qk_norm_rope_probe_graphed_h200_800f0d2.jsonl;
+# Qwen3-30B-A3B, 4096 positions): 4 warps forward, 2 persistent programs per SM with 4 warps
+# backward: 119.1 us per layer against 129.3 for the unfused norms + RoPE; more warps were slower
+# (8 / 16 backward warps: 189-275 us).
 _BWD_PROGRAMS_PER_SM = 2
-_BWD_NUM_WARPS: int | None = None  # None: twice the forward's warps, at most 16
-_FWD_NUM_WARPS: int | None = None  # None: warps_for(the half-tile)
+_BWD_NUM_WARPS: int | None = 4
+_FWD_NUM_WARPS: int | None = 4
 
 
 def qk_norm_rope_reference(

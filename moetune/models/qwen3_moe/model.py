@@ -11,6 +11,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
 from moetune.kernels import RMSNorm, apply_rope
+from moetune.kernels.qk_norm_rope import qk_norm_rope
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.moe import GroupedExperts, MoEBlock, SoftmaxTopKRouter
 
@@ -43,25 +44,38 @@ def build_moe_block(config) -> MoEBlock:
 
 
 class Qwen3MoeAttention(hf.Qwen3MoeAttention):
-    """Transformers' attention with the q/k RMSNorm and RoPE as fused kernels (one launch each
-    instead of about ten elementwise ops), RoPE applied in [B, S, heads, D] layout before the
-    single transpose for attention."""
+    """Transformers' attention with the q/k RMSNorm and RoPE fused into one kernel each way
+    (``moetune.kernels.qk_norm_rope``; about thirty elementwise ops in Transformers), applied in
+    [B, S, heads, D] layout before the single transpose for attention."""
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
+    def _fused_norm_rope(self) -> bool:
+        """One kernel for both norms and RoPE when the norms are moetune's own, unhooked, with one eps."""
+        norms = (self.q_norm, self.k_norm)
+        return (
+            all(type(n) is RMSNorm and not (n._forward_hooks or n._forward_pre_hooks) for n in norms)
+            and self.q_norm.variance_epsilon == self.k_norm.variance_epsilon
+        )
+
     def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
         # Transformers >= 5.24 calls the KV cache `cache`, earlier versions `past_key_values`.
         cache = kwargs.pop("cache", None)
         cache = cache if cache is not None else past_key_values
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        q_BSHD = self.q_norm(self.q_proj(hidden_states).view(hidden_shape))
-        k_BSHD = self.k_norm(self.k_proj(hidden_states).view(hidden_shape))
+        q_BSHD = self.q_proj(hidden_states).view(hidden_shape)
+        k_BSHD = self.k_proj(hidden_states).view(hidden_shape)
         v_BHSD = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
-        q_BSHD, k_BSHD = apply_rope(q_BSHD, k_BSHD, cos, sin, unsqueeze_dim=2)
+        if self._fused_norm_rope():
+            q_BSHD, k_BSHD = qk_norm_rope(
+                q_BSHD, k_BSHD, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.variance_epsilon
+            )
+        else:  # a norm replaced or hooked (adapters, user hooks): call the modules
+            q_BSHD, k_BSHD = apply_rope(self.q_norm(q_BSHD), self.k_norm(k_BSHD), cos, sin, unsqueeze_dim=2)
         q_BHSD, k_BHSD = q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2)
         if cache is not None:
             k_BHSD, v_BHSD = cache.update(k_BHSD, v_BHSD, self.layer_idx)
