@@ -14,6 +14,7 @@ import statistics
 
 import torch
 import torch.nn.functional as F
+from graph_timing import capture  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = {
@@ -62,16 +63,7 @@ def probe(backend: str, layout: str, args) -> dict:
     result = {"backend": backend, "layout": layout}
     try:
         result["eager_ms"] = time_ms(step)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        result["graph_ms"] = time_ms(graph.replay)
+        result["graph_ms"] = time_ms(capture(step).replay)
     except Exception as error:  # noqa: BLE001 -- a backend may not support the shapes
         result["error"] = f"{type(error).__name__}: {str(error)[:200]}"
     flops = 4 * args.seq_len**2 * args.head_dim * args.heads / 2 * 3.5  # causal fwd + 2.5x bwd

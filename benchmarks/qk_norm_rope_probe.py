@@ -14,6 +14,7 @@ import itertools
 import json
 
 import torch
+from graph_timing import capture  # benchmarks/graph_timing.py (the script's own folder is on sys.path)
 from triton.testing import do_bench
 
 from moetune.kernels import apply_rope, rms_norm
@@ -55,17 +56,8 @@ def main() -> None:
 
 
 def graphed_us(fn) -> float:
-    """Median replay time of ``fn`` captured in a CUDA graph (warmed up on a side stream first)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, rep=100) * 1e3
+    """Median replay time of ``fn`` captured in a CUDA graph."""
+    return do_bench(capture(fn, warmup=2).replay, rep=100) * 1e3
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, num_sms, tl, triton, use_triton, warps_for
-from moetune.kernels.rms_norm import _PARTIALS_BLOCK_N, _PARTIALS_BLOCK_P, rms_norm_reference
+from moetune.kernels.rms_norm import rms_norm_reference, sum_partials
 from moetune.kernels.rms_norm import _bwd_torch as _rms_norm_bwd_torch
 from moetune.kernels.rms_norm import _fwd_torch as _rms_norm_fwd_torch
 from moetune.kernels.rope import _rope_torch, _unit_last, apply_rope_reference
@@ -60,7 +60,6 @@ def qk_norm_rope_reference(
 
 
 if HAS_TRITON:
-    from moetune.kernels.rms_norm import _sum_partials_kernel
 
     @triton.jit
     def _rotate(x1, x2, c1, c2, s1, s2):
@@ -319,16 +318,8 @@ def _bwd_triton(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, rstd_q, rstd
             COMPUTE_DQW=compute_dw[0], COMPUTE_DKW=compute_dw[1],
             BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, num_warps=num_warps,
         )  # fmt: skip
-    dws = []
-    for weight, partial, need in zip((q_weight, k_weight), partials, compute_dw):
-        dw = None
-        if need:
-            dw = torch.empty_like(weight)
-            with device_of(q):
-                _sum_partials_kernel[(triton.cdiv(head_dim, _PARTIALS_BLOCK_N),)](
-                    partial, dw, num_programs, head_dim, BLOCK_P=_PARTIALS_BLOCK_P, BLOCK_N=_PARTIALS_BLOCK_N, num_warps=4
-                )
-        dws.append(dw)
+    weights = (q_weight, k_weight)
+    dws = [sum_partials(partial, w) if need else None for w, partial, need in zip(weights, partials, compute_dw)]
     return dq, dk, *dws
 
 

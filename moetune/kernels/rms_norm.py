@@ -182,14 +182,18 @@ def _bwd_triton(
             num_rows, num_cols, dy2d.stride(0), x2d.stride(0), dx2d.stride(0), num_programs * block_m,
             COMPUTE_DW=compute_dw, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip
-    dw = None
-    if compute_dw:
-        dw = torch.empty_like(weight)
-        with device_of(dy2d):
-            _sum_partials_kernel[(triton.cdiv(num_cols, _PARTIALS_BLOCK_N),)](
-                dw_partial, dw, num_programs, num_cols, BLOCK_P=_PARTIALS_BLOCK_P, BLOCK_N=_PARTIALS_BLOCK_N, num_warps=4
-            )
-    return dx, dw
+    return dx, sum_partials(dw_partial, weight) if compute_dw else None
+
+
+def sum_partials(partial_PC: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The weight gradient from fp32 per-program partial rows [P, C]: their sum in ``weight``'s dtype."""
+    num_partials, num_cols = partial_PC.shape
+    dw = torch.empty_like(weight)
+    with device_of(partial_PC):
+        _sum_partials_kernel[(triton.cdiv(num_cols, _PARTIALS_BLOCK_N),)](
+            partial_PC, dw, num_partials, num_cols, BLOCK_P=_PARTIALS_BLOCK_P, BLOCK_N=_PARTIALS_BLOCK_N, num_warps=4
+        )
+    return dw
 
 
 def _fwd_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

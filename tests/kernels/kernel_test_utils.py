@@ -30,3 +30,12 @@ def fp32_close(actual: torch.Tensor, reference: torch.Tensor, *, atol: float = 1
         torch.testing.assert_close(actual, reference.to(actual.dtype), rtol=1e-5, atol=1e-5 * scale + 1e-7)
     else:
         torch.testing.assert_close(actual, reference.to(actual.dtype), atol=atol, rtol=rtol)
+
+
+def rope_tables(batch: int, seq: int, dim: int, *, dtype=torch.float32, device="cpu", theta=1e6):
+    """cos/sin [batch, seq, dim] as Qwen3's rotary embedding builds them: cat(freqs, freqs)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
+    positions = torch.arange(seq, dtype=torch.float64, device=device)[None, :] + torch.arange(batch, device=device)[:, None]
+    freqs = positions[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)

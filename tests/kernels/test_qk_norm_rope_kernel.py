@@ -12,20 +12,11 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm, ap
 
 from moetune.kernels import apply_rope, apply_rope_reference, rms_norm, rms_norm_reference
 from moetune.kernels.qk_norm_rope import QKNormRoPEFunction, qk_norm_rope, qk_norm_rope_reference
-from kernel_test_utils import bf16_close, fp32_close, gpu
+from kernel_test_utils import bf16_close, fp32_close, gpu, rope_tables
 
 qk_norm_rope_module = importlib.import_module("moetune.kernels.qk_norm_rope")
 
 EPS = 1e-6
-
-
-def rope_tables(batch: int, seq: int, dim: int, *, dtype=torch.float32, device="cpu", theta=1e6):
-    """cos/sin [batch, seq, dim] as Qwen3's rotary embedding builds them: cat(freqs, freqs)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
-    positions = torch.arange(seq, dtype=torch.float64, device=device)[None, :] + torch.arange(batch, device=device)[:, None]
-    freqs = positions[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def projected_qk(batch, seq, q_heads, k_heads, dim, *, dtype=torch.float32, device="cpu"):

@@ -9,16 +9,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_em
 
 from moetune.kernels import apply_rope, apply_rope_reference
 from moetune.kernels.rope import RoPEFunction
-from kernel_test_utils import bf16_close, fp32_close, gpu
-
-
-def rope_tables(batch: int, seq: int, dim: int, *, dtype=torch.float32, device="cpu", theta=1e6):
-    """cos/sin [batch, seq, dim] as Qwen3's rotary embedding builds them: cat(freqs, freqs)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
-    positions = torch.arange(seq, dtype=torch.float64, device=device)[None, :] + torch.arange(batch, device=device)[:, None]
-    freqs = positions[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+from kernel_test_utils import bf16_close, fp32_close, gpu, rope_tables
 
 
 def naive_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
