@@ -49,8 +49,9 @@ class MoetuneOptions:
     dense_parallel: str = "fsdp"
     """Parameters other than the experts: 'fsdp' shards them with FSDP2 over all ranks; 'replicate'
     keeps full copies on every rank and averages their gradients (DDP-style), which with
-    ``ep_dispatch='allgather'`` makes the expert-parallel step CUDA-graph capturable. 'replicate'
-    needs ep_size == world size (each rank owns its experts outright)."""
+    ``ep_dispatch='allgather'`` makes the expert-parallel step CUDA-graph capturable. With
+    ep_size < world size the experts are replicated the same way over the ranks that hold the same
+    experts (each node its own expert-parallel group, say)."""
 
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):

@@ -60,8 +60,9 @@ class ParallelConfig:
     ep_dispatch: str = "alltoall"
     """'alltoall' (the dispatchers above) or 'allgather' (allgather_dispatcher.py: fixed shapes, no host sync)."""
     dense_parallel: str = "fsdp"
-    """'fsdp': FSDP2 over all ranks for every non-expert parameter; 'replicate': full copies on every
-    rank, gradients averaged in the backward (replicate.py); needs ep == world."""
+    """'fsdp': FSDP2 over all ranks for every non-expert parameter (and the experts over the ranks that
+    hold the same experts); 'replicate': full copies on every rank (and of each rank's experts on the
+    ranks that hold the same experts), gradients averaged in the backward (replicate.py)."""
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
@@ -115,28 +116,32 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) ->
     if config.dense_parallel == "fsdp":
         apply_fsdp(model, mesh, config)
         _refuse_ddp(model)
-    # 'replicate': nothing to shard (ep == world: every rank owns its experts); the gradient
-    # averaging needs the allocated parameters (replicate_dense_parameters, after allocation).
+    # 'replicate': nothing to shard; the gradient averaging needs the allocated parameters
+    # (replicate_dense_parameters, after allocation).
     return model
 
 
 def check_dense_parallel(name: str, mesh: ParallelMesh) -> None:
     if name not in DENSE_PARALLEL:
         raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {name!r}")
-    if name == "replicate" and mesh.ep_size != mesh.world_size:
-        raise ValueError(
-            f"dense_parallel='replicate' needs ep_size == world size (got ep={mesh.ep_size}, world={mesh.world_size}): "
-            "with fewer expert-parallel ranks the experts are FSDP2-sharded too; use dense_parallel='fsdp'"
-        )
 
 
-def replicate_dense_parameters(model: nn.Module, mesh: ParallelMesh) -> ReplicatedGradientSync:
+def replicate_dense_parameters(model: nn.Module, mesh: ParallelMesh) -> list[ReplicatedGradientSync]:
     """For an allocated model parallelized with ``dense_parallel='replicate'``: equal copies of the
-    non-expert parameters on every rank, and their gradients averaged in every backward."""
+    non-expert parameters on every rank, and their gradients averaged over all ranks in every
+    backward. With ep < world the experts are replicated too, over the ``dp_shard_mod_ep`` ranks that
+    hold the same experts, and averaged there (with the dispatcher's 1 / ep scaling, the average over
+    all ranks, as for every other parameter)."""
     dense = [p for p in model.parameters() if not isinstance(p, DTensor)]
     group = mesh.world.get_group()
     broadcast_parameters(dense, group=group)
-    return ReplicatedGradientSync(dense, group=group)
+    syncs = [ReplicatedGradientSync(dense, group=group)]
+    if mesh.world_size > mesh.ep_size:
+        experts = [p for p in model.parameters() if isinstance(p, DTensor)]
+        replicas = mesh.dp_shard_mod_ep.get_group()
+        broadcast_parameters(experts, group=replicas)
+        syncs.append(ReplicatedGradientSync(experts, group=replicas))
+    return syncs
 
 
 def _refuse_ddp(model: nn.Module) -> None:

@@ -1,8 +1,8 @@
 """``dense_parallel="replicate"``: every rank keeps full copies of the non-expert parameters (attention,
 norms, router, embeddings, LM head) and their gradients are averaged over the ranks, DDP's job.
 
-Why, next to FSDP2's default sharding: when ep == world each rank owns its experts outright and the
-non-expert parameters are small (0.9B of Qwen3-30B-A3B's 30B). Replicated, they cost 8 bytes per
+Why, next to FSDP2's default sharding: with expert parallelism each rank holds only its experts and
+the non-expert parameters are small (0.9B of Qwen3-30B-A3B's 30B). Replicated, they cost 8 bytes per
 parameter more on every rank, but the step has no FSDP2 all-gathers, no per-layer hooks that manage
 parameter storage, and nothing that needs the host: with the all-gather dispatcher the whole
 expert-parallel step can be captured in a CUDA graph (moetune.training.CUDAGraphTrainStep).
@@ -11,6 +11,9 @@ How: each parameter's gradient is all-reduced (averaged) as soon as autograd has
 NCCL's stream, overlapping the rest of the backward; the end of the backward waits for all of them.
 The gradient is reduced in its own dtype (bf16 for bf16 models: one rounding of a two-term sum at
 ep = 2). Ranks start equal: the parameters are broadcast from the group's first rank once. With
+ep < world (several data-parallel replicas of each expert group, e.g. one ep group per node) the
+experts are replicated the same way over the ranks that hold the same experts: each expert's
+gradient is all-reduced over those ranks only (``replicate_dense_parameters``). With
 gradient accumulation every backward reduces the accumulated gradient again, which is still the
 average (the part averaged before is equal on every rank).
 """
@@ -47,7 +50,10 @@ class ReplicatedGradientSync:
 
     def _reduce(self, param: nn.Parameter) -> None:
         op = dist.ReduceOp.AVG if self.average_in_collective else dist.ReduceOp.SUM
-        self._pending.append((param.grad, dist.all_reduce(param.grad, op=op, group=self.group, async_op=True)))
+        # An expert's DTensor gradient (replicated over the ranks holding the same experts): its local
+        # tensor, in place.
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        self._pending.append((grad, dist.all_reduce(grad, op=op, group=self.group, async_op=True)))
         # Queued by every hook (the later calls find nothing left to wait for): no state that a
         # backward interrupted by an exception could leave stale for the next one.
         torch.autograd.Variable._execution_engine.queue_callback(self._wait_all)
@@ -65,7 +71,7 @@ def broadcast_parameters(params: Iterable[torch.Tensor], *, group: dist.ProcessG
     """Make every rank's copy equal to the group's first rank's (after random init or loading)."""
     src = dist.get_global_rank(group, 0)
     for param in params:
-        dist.broadcast(param.data, src=src, group=group)
+        dist.broadcast(param.to_local() if isinstance(param, DTensor) else param.data, src=src, group=group)
 
 
 _checked_optimizers: weakref.WeakSet = weakref.WeakSet()

@@ -176,7 +176,8 @@ class DistributedConfig:
     moetune/distributed/README.md."""
     dense_parallel: str = "fsdp"
     """With ep_size > 1, the non-expert parameters: "fsdp" (sharded) or "replicate" (whole on every
-    rank, gradients all-reduced; needs ep_size == number of processes)."""
+    rank, gradients all-reduced; with ep_size < processes the experts are replicated over the
+    ranks that hold the same experts)."""
     reduce_dtype: str = "float32"
     """Gradient reduce-scatter dtype with ep_size > 1 ("float32" exact sums, or "bfloat16")."""
     backend: str = ""

@@ -467,9 +467,31 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
     del model
     one_step_parity(rank, world_size, two_experts_folder, what="2 experts, ep=2 x dp 2 (Shard(1))", ep_size=2)
     _check_save_equal(_load(two_experts_folder, ep_size=2), _load(two_experts_folder), Path(out) / "two", rank)
+    # The capturable path with two replicas of each expert group: experts replicated, not FSDP2-sharded.
+    train_parity(rank, world_size, folder, 2, out, **ALLGATHER_REPLICATE)
+    dcp_resume(rank, world_size, folder, 2, out, **ALLGATHER_REPLICATE)
+    _check_replicas_equal_after_from_config(rank, world_size, ep=2)
     pipelined_dispatch(rank, world_size)
     pipelined_parity(rank, world_size, folder, ep=4, chunks=(3,))
     pipelined_parity(rank, world_size, folder, ep=2, chunks=(3,))  # experts FSDP2-sharded over dp 2: called per chunk
+
+
+def _check_replicas_equal_after_from_config(rank: int, world_size: int, *, ep: int) -> None:
+    """``from_config`` with a different seed on every rank: the replicated copies (non-expert parameters
+    on all ranks, each expert shard on the ranks that hold it) are broadcast equal."""
+    from tests.conftest import tiny_qwen3_moe_config
+
+    torch.manual_seed(rank)
+    model = moetune.AutoModelForCausalLM.from_config(
+        tiny_qwen3_moe_config(vocab_size=64, output_router_logits=False), ep_size=ep, **ALLGATHER_REPLICATE
+    )
+    replicas = model.parallel_mesh.dp_shard_mod_ep.get_group()
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param.detach()
+        group = replicas if isinstance(param, DTensor) else None
+        copies = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(copies, local.contiguous(), group=group)
+        assert all(torch.equal(copy, copies[0]) for copy in copies), f"{name}: replicas differ"
 
 
 def bad_inputs(rank: int, world_size: int, folder: str) -> None:
@@ -489,7 +511,6 @@ def bad_inputs(rank: int, world_size: int, folder: str) -> None:
         "expected a 2-D mesh": ({}, dict(device_mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))),
         "disagrees with the device_mesh": ({}, dict(ep_size=2, device_mesh=_mesh(2, 1))),
         "must be a torch.distributed.device_mesh.DeviceMesh": ({}, dict(device_mesh="2x1")),
-        "needs ep_size == world size": ({}, dict(device_mesh=_mesh(2, 1), dense_parallel="replicate")),
     }
     allocated = []
     original_to_empty = torch.nn.Module.to_empty
