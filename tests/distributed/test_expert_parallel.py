@@ -59,6 +59,12 @@ def test_allgather_dispatch_and_replicated_dense(checkpoint, tmp_path):
     spawn(workers.allgather_and_replicate_suite, 2, checkpoint, str(tmp_path))
 
 
+def test_trainer(checkpoint, tmp_path):
+    """moetune.Trainer on expert-parallel models equals Transformers' Trainer + DDP; save; resume."""
+    pytest.importorskip("accelerate")  # Trainer needs it
+    spawn(workers.trainer_suite, 2, checkpoint, str(tmp_path))
+
+
 def test_bad_inputs(checkpoint):
     spawn(workers.bad_inputs, 2, checkpoint)
 

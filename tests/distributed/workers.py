@@ -696,3 +696,47 @@ def allgather_dispatcher(rank: int, world_size: int) -> None:
             dispatcher.run(x_uneven, uneven_routing, scaled_rows(rank * num_local), num_experts=num_experts)
     finally:
         allgather_module._capturing = capturing
+
+def trainer_suite(rank: int, world_size: int, folder: str, out: str) -> None:
+    """``moetune.Trainer`` trains expert-parallel models (all-to-all + FSDP2, all-gather + replicated)
+    exactly as Transformers' ``Trainer`` trains the unsharded model with DDP: the same losses and final
+    weights (clipping on); ``save_model`` writes a checkpoint plain Transformers loads; a run resumed
+    from an intermediate checkpoint repeats the uninterrupted run's last steps."""
+    import transformers
+
+    from moetune import Trainer
+    from moetune.optim import AdamW
+
+    rows = torch.randint(0, 64, (16, SEQ), generator=torch.Generator().manual_seed(3))
+    dataset = [{"input_ids": row, "labels": row.clone()} for row in rows]
+
+    def train(model, trainer_cls, output_dir, *, save_steps=None, resume=None):
+        args = transformers.TrainingArguments(
+            output_dir=str(output_dir), per_device_train_batch_size=2, max_steps=4, learning_rate=1e-2,
+            lr_scheduler_type="linear", max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True, seed=0,
+            ddp_backend="gloo", save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
+        )  # fmt: skip
+        trainer = trainer_cls(model=model, args=args, train_dataset=dataset)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    reference, expected = train(_load(folder), transformers.Trainer, Path(out) / "ddp")
+    reference_params = dict(reference.model.named_parameters())
+    for index, options in enumerate(({}, ALLGATHER_REPLICATE)):
+        what = f"moetune.Trainer {options or 'alltoall + fsdp'}"
+        run_dir = Path(out) / f"ep{index}"
+        trainer, losses = train(_load(folder, ep_size=world_size, **options), Trainer, run_dir, save_steps=2)
+        assert len(losses) == 4 and all(abs(a - b) <= TOL * abs(b) for a, b in zip(losses, expected)), (what, losses, expected)
+        for name, param in trainer.model.named_parameters():
+            assert rel_err(gathered(param.detach()), reference_params[name].detach()) < 10 * TOL, f"{what}: {name}"
+        if options:  # torch's AdamW cannot step replicated tensors and DTensors together
+            assert isinstance(getattr(trainer.optimizer, "optimizer", trainer.optimizer), AdamW), what
+        trainer.save_model(str(run_dir / "final"))
+        dist.barrier()
+        plain = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "final", dtype=torch.float32)
+        for name, param in plain.named_parameters():
+            assert rel_err(param.detach(), reference_params[name].detach()) < 10 * TOL, f"{what}: saved {name}"
+        _, resumed = train(
+            _load(folder, ep_size=world_size, **options), Trainer, run_dir, resume=str(run_dir / "checkpoint-2")
+        )
+        assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(resumed[-2:], losses[-2:])), (what, resumed, losses)

@@ -25,7 +25,9 @@ def _dataset() -> list[dict[str, torch.Tensor]]:
     return [{"input_ids": row, "labels": row.clone(), "attention_mask": torch.ones_like(row)} for row in rows]
 
 
-def _train(model, tmp_path, *, learning_rate: float, activation_checkpointing: bool = False) -> list[float]:
+def _train(
+    model, tmp_path, *, learning_rate: float, activation_checkpointing: bool = False, trainer_cls=transformers.Trainer
+) -> list[float]:
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         per_device_train_batch_size=2,
@@ -42,7 +44,7 @@ def _train(model, tmp_path, *, learning_rate: float, activation_checkpointing: b
         disable_tqdm=True,
         activation_checkpointing=activation_checkpointing,
     )
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_dataset())
+    trainer = trainer_cls(model=model, args=args, train_dataset=_dataset())
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -74,3 +76,15 @@ def test_trainer_lora_with_activation_checkpointing(tmp_path):
         if ".lora_" not in key:
             assert torch.equal(value, base_before[key]), key
     assert any(v.abs().sum() > 0 for k, v in lora_state_dict(model).items() if "lora_B_" in k)
+
+
+def test_moetune_trainer_is_transformers_trainer_for_unsharded_models(tmp_path):
+    """``moetune.Trainer`` (for expert-parallel models, tests/distributed) changes nothing otherwise."""
+    import moetune
+
+    losses = {}
+    for name, cls in (("transformers", transformers.Trainer), ("moetune", moetune.Trainer)):
+        torch.manual_seed(0)
+        model = build_moetune_model(tiny_qwen3_moe_config()).train()
+        losses[name] = _train(model, tmp_path / name, learning_rate=3e-3, trainer_cls=cls)
+    assert losses["moetune"] == losses["transformers"]

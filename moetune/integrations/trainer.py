@@ -1,0 +1,141 @@
+"""``moetune.Trainer``: Transformers' ``Trainer`` that also trains moetune's expert-parallel models.
+
+    # from transformers import Trainer
+    from moetune import Trainer
+
+For any model that moetune did not parallelize this is ``transformers.Trainer`` unchanged. A model
+loaded with ``ep_size`` / ``device_mesh`` under torchrun shards itself (expert parallelism plus
+FSDP2 or replicated parameters) and reduces its own gradients, which Transformers' ``Trainer`` does
+not know: accelerate would wrap it in DDP (and fail on its DTensor parameters), clip its gradients
+with torch's clipping (wrong across meshes on older accelerate), save the model from the main
+process only (a deadlock: every rank takes part in gathering the experts) and pickle the main
+process's optimizer shards only. Here, for such a model:
+
+- no DDP / FSDP wrapping by accelerate (``prepare_model(..., evaluation_mode=True)``);
+- clipping through ``moetune.distributed.clip_grad_norm_``;
+- a torch AdamW over mixed replicated tensors and DTensors (``dense_parallel="replicate"``), which
+  torch's multi-tensor kernels cannot step, becomes ``moetune.optim.AdamW`` with the same groups;
+- ``save_model`` gathers on every rank and the main process writes a plain Hugging Face checkpoint;
+- checkpoints for resuming hold the model and optimizer shards as a torch.distributed.checkpoint
+  folder (``moetune_dcp/``, written and read by every rank) next to that Hugging Face copy; the
+  scheduler, RNG and trainer state are Transformers' own files.
+
+Not supported with an expert-parallel model: ``load_best_model_at_end`` (refused at construction).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import transformers
+
+DCP_FOLDER = "moetune_dcp"
+
+
+def is_moetune_parallel(model) -> bool:
+    """Whether moetune sharded ``model`` itself (``from_pretrained`` / ``from_config`` with ``ep_size``)."""
+    return getattr(model, "parallel_mesh", None) is not None
+
+
+class Trainer(transformers.Trainer):
+    """``transformers.Trainer`` that also trains moetune's expert-parallel models (see the module)."""
+
+    def __init__(self, model=None, *args, **kwargs) -> None:
+        super().__init__(model, *args, **kwargs)
+        self._moetune_parallel = is_moetune_parallel(self.model)
+        if not self._moetune_parallel:
+            return
+        if self.args.load_best_model_at_end:
+            raise ValueError(
+                "moetune.Trainer: load_best_model_at_end is not supported with an expert-parallel model; "
+                "keep the checkpoints and reload the best one with from_pretrained(..., ep_size=...)"
+            )
+        accelerator, ours = self.accelerator, self.model
+        prepare_model = accelerator.prepare_model
+
+        def prepare_without_wrapping(model, device_placement=None, evaluation_mode=False):
+            # The model reduces its own gradients (FSDP2 / replicated sync): no DDP on top.
+            return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode or model is ours)
+
+        def clip_grad_norm_(parameters, max_norm, norm_type=2):
+            from moetune.distributed import clip_grad_norm_ as clip
+
+            accelerator.unscale_gradients()
+            return clip(list(parameters), max_norm, norm_type=norm_type)
+
+        accelerator.prepare_model = prepare_without_wrapping
+        accelerator.clip_grad_norm_ = clip_grad_norm_
+
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        if self._moetune_parallel and _torch_adamw_over_mixed_tensors(self.optimizer):
+            from moetune.optim import AdamW
+
+            torch_adamw = self.optimizer
+            self.optimizer = AdamW(
+                [{k: v for k, v in group.items() if k in ("params", "lr", "weight_decay", "betas", "eps")}
+                 for group in torch_adamw.param_groups]
+            )  # fmt: skip
+            optimizer = self.optimizer
+        return optimizer
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._moetune_parallel:
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        main = self.args.should_save
+        if main:
+            os.makedirs(output_dir, exist_ok=True)
+        self.model.save_pretrained(output_dir, is_main_process=main)  # every rank: the experts are gathered
+        if main:
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, transformers.trainer.TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._moetune_parallel:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        from moetune.distributed import save_distributed_checkpoint
+
+        save_distributed_checkpoint(self.model, _unwrap(self.optimizer), os.path.join(output_dir, DCP_FOLDER))
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, transformers.trainer.SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not self._moetune_parallel:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        # The weights come back with the optimizer shards (_load_optimizer_and_scheduler).
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, DCP_FOLDER)):
+            raise ValueError(
+                f"moetune.Trainer: {resume_from_checkpoint} has no {DCP_FOLDER}/ folder; an expert-parallel run resumes "
+                "only from checkpoints that moetune.Trainer wrote"
+            )
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if not self._moetune_parallel:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        from moetune.distributed import load_distributed_checkpoint
+
+        load_distributed_checkpoint(self.model, _unwrap(self.optimizer), os.path.join(checkpoint, DCP_FOLDER))
+        scheduler_file = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
+        if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+
+def _unwrap(optimizer):
+    """The torch optimizer inside accelerate's ``AcceleratedOptimizer``."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _torch_adamw_over_mixed_tensors(optimizer) -> bool:
+    from moetune.distributed.replicate import mixes_plain_and_dtensors
+
+    optimizer = _unwrap(optimizer)
+    if type(optimizer) is not torch.optim.AdamW:
+        return False
+    return mixes_plain_and_dtensors(p for group in optimizer.param_groups for p in group["params"])
