@@ -710,9 +710,10 @@ def trainer_suite(rank: int, world_size: int, folder: str, out: str) -> None:
     rows = torch.randint(0, 64, (16, SEQ), generator=torch.Generator().manual_seed(3))
     dataset = [{"input_ids": row, "labels": row.clone()} for row in rows]
 
-    def train(model, trainer_cls, output_dir, *, save_steps=None, resume=None):
+    def train(model, trainer_cls, output_dir, *, save_steps=None, resume=None, accumulate=1):
         args = transformers.TrainingArguments(
-            output_dir=str(output_dir), per_device_train_batch_size=2, max_steps=4, learning_rate=1e-2,
+            output_dir=str(output_dir), per_device_train_batch_size=2 // accumulate, gradient_accumulation_steps=accumulate,
+            max_steps=4, learning_rate=1e-2,
             lr_scheduler_type="linear", max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True, seed=0,
             ddp_backend="gloo", save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         )  # fmt: skip
@@ -739,4 +740,8 @@ def trainer_suite(rank: int, world_size: int, folder: str, out: str) -> None:
         _, resumed = train(
             _load(folder, ep_size=world_size, **options), Trainer, run_dir, resume=str(run_dir / "checkpoint-2")
         )
-        assert all(abs(a - b) <= TOL * abs(b) for a, b in zip(resumed[-2:], losses[-2:])), (what, resumed, losses)
+        assert len(resumed) == 4 and all(abs(a - b) <= TOL * abs(b) for a, b in zip(resumed[-2:], losses[-2:])), (what, resumed, losses)
+    # Gradient accumulation (2 micro-batches of 1 per step): still Transformers' Trainer + DDP.
+    _, expected = train(_load(folder), transformers.Trainer, Path(out) / "ddp_accumulate", accumulate=2)
+    _, losses = train(_load(folder, ep_size=world_size, **ALLGATHER_REPLICATE), Trainer, Path(out) / "ep_accumulate", accumulate=2)
+    assert len(losses) == 4 and all(abs(a - b) <= TOL * abs(b) for a, b in zip(losses, expected)), ("accumulation", losses, expected)
