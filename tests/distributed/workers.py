@@ -699,8 +699,8 @@ def allgather_dispatcher(rank: int, world_size: int) -> None:
 
 def trainer_suite(rank: int, world_size: int, folder: str, out: str) -> None:
     """``moetune.Trainer`` trains expert-parallel models (all-to-all + FSDP2, all-gather + replicated)
-    exactly as Transformers' ``Trainer`` trains the unsharded model with DDP: the same losses and final
-    weights (clipping on); ``save_model`` writes a checkpoint plain Transformers loads; a run resumed
+    exactly as Transformers' ``Trainer`` trains the unsharded model with DDP: the same losses, final
+    weights (clipping on) and evaluation loss; gradient accumulation; ``save_model`` writes a checkpoint plain Transformers loads; a run resumed
     from an intermediate checkpoint repeats the uninterrupted run's last steps."""
     import transformers
 
@@ -717,11 +717,12 @@ def trainer_suite(rank: int, world_size: int, folder: str, out: str) -> None:
             lr_scheduler_type="linear", max_grad_norm=0.5, logging_steps=1, report_to=[], use_cpu=True, seed=0,
             ddp_backend="gloo", save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         )  # fmt: skip
-        trainer = trainer_cls(model=model, args=args, train_dataset=dataset)
+        trainer = trainer_cls(model=model, args=args, train_dataset=dataset, eval_dataset=dataset[:6])
         trainer.train(resume_from_checkpoint=resume)
         return trainer, [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
     reference, expected = train(_load(folder), transformers.Trainer, Path(out) / "ddp")
+    expected_eval = reference.evaluate()["eval_loss"]
     reference_params = dict(reference.model.named_parameters())
     for index, options in enumerate(({}, ALLGATHER_REPLICATE)):
         what = f"moetune.Trainer {options or 'alltoall + fsdp'}"
@@ -730,6 +731,7 @@ def trainer_suite(rank: int, world_size: int, folder: str, out: str) -> None:
         assert len(losses) == 4 and all(abs(a - b) <= TOL * abs(b) for a, b in zip(losses, expected)), (what, losses, expected)
         for name, param in trainer.model.named_parameters():
             assert rel_err(gathered(param.detach()), reference_params[name].detach()) < 10 * TOL, f"{what}: {name}"
+        assert abs(trainer.evaluate()["eval_loss"] - expected_eval) <= TOL * expected_eval, what
         if options:  # torch's AdamW cannot step replicated tensors and DTensors together
             assert isinstance(getattr(trainer.optimizer, "optimizer", trainer.optimizer), AdamW), what
         trainer.save_model(str(run_dir / "final"))
