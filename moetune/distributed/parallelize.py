@@ -294,7 +294,7 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
 
         reset_lora_parameters(model)
     if config.dense_parallel == "replicate":
-        model.replicated_gradient_sync = replicate_dense_parameters(model, mesh)
+        model.replicated_gradient_syncs = replicate_dense_parameters(model, mesh)  # kept alive with the model
     model.parallel_mesh = mesh
     return model
 
