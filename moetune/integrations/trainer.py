@@ -13,8 +13,10 @@ process's optimizer shards only. Here, for such a model:
 
 - no DDP / FSDP wrapping by accelerate (``prepare_model(..., evaluation_mode=True)``);
 - clipping through ``moetune.distributed.clip_grad_norm_``;
-- a torch AdamW over mixed replicated tensors and DTensors (``dense_parallel="replicate"``), which
-  torch's multi-tensor kernels cannot step, becomes ``moetune.optim.AdamW`` with the same groups;
+- torch's AdamW (Transformers' default) becomes ``moetune.optim.AdamW`` with the same groups and
+  the same update: torch's multi-tensor kernels cannot step replicated tensors and DTensors together
+  (``dense_parallel="replicate"``) nor are they known to take DTensors on different meshes, and
+  moetune's kernel streams bf16 states at about twice the bandwidth (benchmarks/README.md);
 - ``save_model`` gathers on every rank and the main process writes a plain Hugging Face checkpoint;
 - checkpoints for resuming hold the model and optimizer shards as a torch.distributed.checkpoint
   folder (``moetune_dcp/``, written and read by every rank) next to that Hugging Face copy; the
@@ -69,7 +71,7 @@ class Trainer(transformers.Trainer):
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        if self._moetune_parallel and _torch_adamw_over_mixed_tensors(self.optimizer):
+        if self._moetune_parallel and _plain_torch_adamw(self.optimizer):
             from moetune.optim import AdamW
 
             torch_adamw = self.optimizer
@@ -132,10 +134,9 @@ def _unwrap(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def _torch_adamw_over_mixed_tensors(optimizer) -> bool:
-    from moetune.distributed.replicate import mixes_plain_and_dtensors
-
+def _plain_torch_adamw(optimizer) -> bool:
+    """torch's AdamW without the options moetune's AdamW does not have (amsgrad, maximize)."""
     optimizer = _unwrap(optimizer)
-    if type(optimizer) is not torch.optim.AdamW:
-        return False
-    return mixes_plain_and_dtensors(p for group in optimizer.param_groups for p in group["params"])
+    return type(optimizer) is torch.optim.AdamW and not any(
+        group.get("amsgrad") or group.get("maximize") for group in optimizer.param_groups
+    )

@@ -732,8 +732,8 @@ def trainer_suite(rank: int, world_size: int, folder: str, out: str) -> None:
         for name, param in trainer.model.named_parameters():
             assert rel_err(gathered(param.detach()), reference_params[name].detach()) < 10 * TOL, f"{what}: {name}"
         assert abs(trainer.evaluate()["eval_loss"] - expected_eval) <= TOL * expected_eval, what
-        if options:  # torch's AdamW cannot step replicated tensors and DTensors together
-            assert isinstance(getattr(trainer.optimizer, "optimizer", trainer.optimizer), AdamW), what
+        # Transformers' default torch AdamW was swapped for moetune's (same update: the losses above).
+        assert isinstance(getattr(trainer.optimizer, "optimizer", trainer.optimizer), AdamW), what
         trainer.save_model(str(run_dir / "final"))
         dist.barrier()
         plain = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "final", dtype=torch.float32)
