@@ -186,12 +186,11 @@ def run_experts(
         # No host sync: the group boundaries stay on the device.
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
         x, w_EHX = x.to(in_proj.dtype), in_proj.transpose(-2, -1)
-        if backend == "triton":
-            h_NX = TritonGroupedLinear.apply(x, in_proj, offsets_E, gather_order, gather_top_k)
-        elif gather_order is None:
-            h_NX = _grouped_mm(x, w_EHX, offs=offsets_E)
+        if backend == "triton" or gather_order is not None:
+            rows_backend = "triton" if backend == "triton" else "grouped_mm"
+            h_NX = GatheredGroupedMM.apply(x, w_EHX, gather_order, offsets_E, gather_top_k, "auto", rows_backend)
         else:
-            h_NX = GatheredGroupedMM.apply(x, w_EHX, gather_order, offsets_E, gather_top_k)
+            h_NX = _grouped_mm(x, w_EHX, offs=offsets_E)
         expert_N = None
         if in_bias is not None or down_bias is not None:
             rows = torch.arange(h_NX.shape[0], device=x.device, dtype=torch.int32)
@@ -199,7 +198,7 @@ def run_experts(
         h_NX = h_NX if in_bias is None else h_NX + _bias_rows(in_bias, expert_N)
         a_NI = activate(h_NX, offsets_E[-1:])
         if backend == "triton":
-            y_NH = TritonGroupedLinear.apply(a_NI, down_proj, offsets_E, None, 1)
+            y_NH = GatheredGroupedMM.apply(a_NI, down_proj.transpose(-2, -1), None, offsets_E, 1, "auto", "triton")
         else:
             y_NH = _grouped_mm(a_NI, down_proj.transpose(-2, -1), offs=offsets_E)
         return y_NH if down_bias is None else y_NH + _bias_rows(down_bias, expert_N)
@@ -245,8 +244,8 @@ def _check_gather(x_TH: torch.Tensor, gather_order: torch.Tensor, top_k: int) ->
 
 
 class GatheredGroupedMM(torch.autograd.Function):
-    """``_grouped_mm(x_TH[order_N // K], w_EHX, offs=offsets_E)`` that keeps ``x_TH`` for the backward
-    instead of the gathered rows.
+    """``rows @ w_EHX[e]`` per expert group, rows ``x_TH[order_N // K]`` (or ``x`` itself when
+    ``order_N`` is None), keeping ``x_TH`` for the backward instead of the gathered rows.
 
     Why: the experts' first GEMM is the only consumer of the permuted tokens, and autograd's
     ``_grouped_mm`` saves its input for the weight gradient: a second copy of the tokens, K times the
@@ -258,71 +257,49 @@ class GatheredGroupedMM(torch.autograd.Function):
     the GEMM writes nothing (their gradient rows are uninitialised memory). No host sync: CUDA-graph
     capturable. ``impl`` picks the gather kernels as ``moe_permute``'s does (Triton on CUDA; tests
     force it on CPU under the interpreter).
+
+    ``backend``: the row GEMMs (forward and data gradient) with torch's grouped GEMM after
+    moetune's gather (``"grouped_mm"``), or with moetune's Triton kernel, which gathers inside its
+    loads (``"triton"``). The weight gradient is torch's grouped GEMM either way: it runs the
+    short-reduction shape (~256 rows per expert) faster than the Triton kernel
+    (``benchmarks/results/grouped_gemm_probe_h200_032b0de.jsonl``).
     """
 
     @staticmethod
-    def forward(ctx, x_TH, w_EHX, order_N, offsets_E, top_k: int, impl: Impl = "auto"):
+    def forward(ctx, x_TH, w_EHX, order_N, offsets_E, top_k: int, impl: Impl = "auto", backend: str = "grouped_mm"):
         ctx.save_for_backward(x_TH, w_EHX, order_N, offsets_E)
-        ctx.top_k, ctx.impl = top_k, impl
-        x_NH = permute_rows(x_TH, order_N, top_k, num_valid=offsets_E[-1:], impl=impl)  # padding rows unwritten
-        return _grouped_mm(x_NH, w_EHX, offs=offsets_E)
+        ctx.top_k, ctx.impl, ctx.backend = top_k, impl, backend
+        return _rows_mm(x_TH, w_EHX, offsets_E, order_N, top_k, backend=backend, impl=impl)
 
     @staticmethod
     def backward(ctx, dh_NX):
         x_TH, w_EHX, order_N, offsets_E = ctx.saved_tensors
         dh_NX = dh_NX.contiguous()
+        num_valid = offsets_E[-1:]
         dx_TH = dw_EHX = None
         if ctx.needs_input_grad[0]:
-            dx_NH = _grouped_mm(dh_NX, w_EHX.transpose(-2, -1), offs=offsets_E)
-            dx_TH = permute_rows_backward(dx_NH, order_N, ctx.top_k, num_valid=offsets_E[-1:], impl=ctx.impl)
-        if ctx.needs_input_grad[1]:
-            x_NH = permute_rows(x_TH, order_N, ctx.top_k, num_valid=offsets_E[-1:], impl=ctx.impl)  # not kept by forward
-            # torch's own _grouped_mm_mat2_backward: a column-major weight gets a column-major gradient.
-            if w_EHX.stride(-2) == 1 and w_EHX.stride(-1) == w_EHX.shape[-2]:
-                dw_EHX = _grouped_mm(dh_NX.t(), x_NH, offs=offsets_E).transpose(-2, -1)
-            else:
-                dw_EHX = _grouped_mm(x_NH.t(), dh_NX, offs=offsets_E)
-        return dx_TH, dw_EHX, None, None, None, None
-
-
-class TritonGroupedLinear(torch.autograd.Function):
-    """Rows ``x_rows[offsets[e-1]:offsets[e]] @ w_EOI[e].T`` with moetune's Triton row GEMM, where
-    ``x_rows`` is ``x`` or, with ``order_N``, ``x[order_N // K]`` gathered inside the GEMM's loads.
-
-    Backward: the data gradient with the same kernel (then the deterministic gather-sum back to
-    ``x``'s rows when gathered), the weight gradient with torch's grouped GEMM, which runs the
-    short-reduction shape (~256 rows per expert) faster than the Triton kernel
-    (``benchmarks/results/grouped_gemm_probe_h200_032b0de.jsonl``). Rows ``>= offsets[-1]`` are
-    padding, skipped everywhere. Saves ``x`` (not the gathered rows), as ``GatheredGroupedMM`` does.
-    """
-
-    @staticmethod
-    def forward(ctx, x, w_EOI, offsets_E, order_N, top_k: int, impl: Impl = "auto"):
-        ctx.save_for_backward(x, w_EOI, offsets_E, order_N)
-        ctx.top_k, ctx.impl = top_k, impl
-        return grouped_rows_mm(x, w_EOI.transpose(-2, -1), offsets_E, gather_order=order_N, top_k=top_k, impl=impl)
-
-    @staticmethod
-    def backward(ctx, dh_NO):
-        x, w_EOI, offsets_E, order_N = ctx.saved_tensors
-        dh_NO = dh_NO.contiguous()
-        num_valid = offsets_E[-1:]
-        dx = dw_EOI = None
-        if ctx.needs_input_grad[0]:
-            dx = grouped_rows_mm(dh_NO, w_EOI, offsets_E, impl=ctx.impl)
+            dx_TH = _rows_mm(dh_NX, w_EHX.transpose(-2, -1), offsets_E, None, 1, backend=ctx.backend, impl=ctx.impl)
             if order_N is not None:
-                dx = permute_rows_backward(dx, order_N, ctx.top_k, num_valid=num_valid, impl=ctx.impl)
+                dx_TH = permute_rows_backward(dx_TH, order_N, ctx.top_k, num_valid=num_valid, impl=ctx.impl)
         if ctx.needs_input_grad[1]:
-            x_rows = x if order_N is None else permute_rows(x, order_N, ctx.top_k, num_valid=num_valid, impl=ctx.impl)
-            dw_EOI = _weight_grad(dh_NO, x_rows, offsets_E)
-        return dx, dw_EOI, None, None, None, None
+            x_NH = x_TH if order_N is None else permute_rows(x_TH, order_N, ctx.top_k, num_valid=num_valid, impl=ctx.impl)
+            # torch's own _grouped_mm_mat2_backward: a column-major weight gets a column-major gradient.
+            column_major = w_EHX.stride(-2) == 1 and w_EHX.stride(-1) == w_EHX.shape[-2]
+            p_N, q_N = (dh_NX, x_NH) if column_major else (x_NH, dh_NX)
+            if ctx.backend == "grouped_mm" or grouped_mm_supported(x_NH):
+                dw = _grouped_mm(p_N.t(), q_N, offs=offsets_E)
+            else:  # the Triton backend off CUDA: the reference loop
+                dw = grouped_weight_grad(p_N, q_N, offsets_E, impl="torch")
+            dw_EHX = dw.transpose(-2, -1) if column_major else dw
+        return dx_TH, dw_EHX, None, None, None, None, None
 
 
-def _weight_grad(dh_NO: torch.Tensor, x_NI: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """[E, O, I] = per group dh^T @ x: torch's grouped GEMM where it runs, else the reference loop."""
-    if grouped_mm_supported(x_NI):
-        return _grouped_mm(dh_NO.t(), x_NI, offs=offsets_E)
-    return grouped_weight_grad(dh_NO, x_NI, offsets_E, impl="torch")
+def _rows_mm(a, b_EKC, offsets_E, order_N, top_k: int, *, backend: str, impl: Impl) -> torch.Tensor:
+    """Rows ``a`` (or ``a[order_N // top_k]``) times ``b_EKC[e]`` per group; padding rows left unwritten."""
+    if backend == "triton":
+        return grouped_rows_mm(a, b_EKC, offsets_E, gather_order=order_N, top_k=top_k, impl=impl)
+    rows = a if order_N is None else permute_rows(a, order_N, top_k, num_valid=offsets_E[-1:], impl=impl)
+    return _grouped_mm(rows, b_EKC, offs=offsets_E)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

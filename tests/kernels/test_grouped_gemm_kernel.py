@@ -1,7 +1,7 @@
 """moetune's Triton grouped GEMMs (moetune/kernels/grouped_gemm.py): the references against plain
 per-expert matmuls, the kernels under the CPU interpreter (gathered rows, transposed weights, empty
 groups, padding rows never read, the weight gradient into a strided ``out``), the experts'
-``TritonGroupedLinear`` backward, and bf16 against torch's ``_grouped_mm`` on the GPU."""
+``GatheredGroupedMM`` backward with the Triton row GEMMs, and bf16 against torch's ``_grouped_mm`` on the GPU."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from moetune.kernels.grouped_gemm import (
     grouped_weight_grad,
     grouped_weight_grad_reference,
 )
-from moetune.moe.experts import TritonGroupedLinear
+from moetune.moe.experts import GatheredGroupedMM
 from kernel_test_utils import gpu
 
 SMALL = (16, 16, 16, 4, 2)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages: several tiles per group here
@@ -89,14 +89,14 @@ def test_weight_grad_kernel_into_strided_out_interpreter(interpret, gather):
 
 
 def _linear_grads(x, w, offsets, order, top_k, impl):
-    h = TritonGroupedLinear.apply(x, w, offsets, order, top_k, impl)
+    h = GatheredGroupedMM.apply(x, w.transpose(1, 2), order, offsets, top_k, impl, "triton")
     valid = int(offsets[-1])
     probe = torch.randn_like(h)
     probe[valid:] = float("nan")  # padding rows' upstream gradient: never read
     return (h[:valid], *torch.autograd.grad(h, [x, w], probe))
 
 
-def test_triton_grouped_linear_backward_interpreter(interpret):
+def test_triton_rows_backward_interpreter(interpret):
     offsets, order, x, b = case()
     w = b.transpose(1, 2).contiguous().requires_grad_()  # [E, out, in]
     x.requires_grad_()
@@ -109,12 +109,12 @@ def test_triton_grouped_linear_backward_interpreter(interpret):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
 
 
-def test_triton_grouped_linear_matches_autograd_float64():
+def test_triton_rows_backward_matches_autograd_float64():
     """The hand-written backward (reference kernels) equals autograd through gather + per-expert matmuls."""
     offsets, order, x, b = case(dtype=torch.float64)
     w = b.transpose(1, 2).contiguous().requires_grad_()
     x.requires_grad_()
-    h = TritonGroupedLinear.apply(x, w, offsets, order, 3, "torch")
+    h = GatheredGroupedMM.apply(x, w.transpose(1, 2), order, offsets, 3, "torch", "triton")
     valid = int(offsets[-1])
     expected = per_expert(x[order[:valid] // 3], w.transpose(1, 2), offsets)
     probe = torch.randn(valid, w.shape[1], dtype=torch.float64)
