@@ -1,63 +1,145 @@
-"""Profile one expert-parallel training step of moetune (rank 0 prints the tables).
+"""Profile moetune's expert-parallel training step (rank 0 prints; every rank writes its trace).
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/profile_ep.py --layers 16
+    torchrun --standalone --nproc-per-node 2 benchmarks/profile_ep.py --layers 16 \
+        --option ep_dispatch=allgather --option dense_parallel=replicate --cuda-graph --out DIR
+
+Built as ``moetune.bench`` builds its moetune side (same weights, optimizer, options). Prints the
+median step, the top kernels of the profiled steps, and the GPU timeline split by stream kind:
+time any compute kernel ran, time NCCL kernels ran, the NCCL time no compute kernel overlapped
+(exposed communication) and the idle time; so the expert-parallel overhead is measured, not guessed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import time
+import statistics
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import transformers
 
-import moetune
-from moetune.optim import AdamW
+from moetune.bench.cli import _moetune_options
+from moetune.bench.measure import make_optimizer
+from moetune.bench.models import build_moetune, load_config
 
-from profile_step import QWEN3_30B_A3B  # noqa: E402  (same directory)
+
+def interval_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def total(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length of union ``a`` not covered by union ``b`` (both merged and sorted)."""
+    covered, j = 0.0, 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            covered += min(end, b[k][1]) - max(start, b[k][0])
+            k += 1
+    return total(a) - covered
+
+
+def timeline(trace_path: Path, steps: int) -> dict:
+    """Per step: span, compute-busy, NCCL-busy, exposed NCCL and idle time (ms), from a chrome trace."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel" and e.get("dur", 0) > 0]
+    is_comm = lambda e: e["name"].startswith(("ncclDevKernel", "ncclKernel"))  # noqa: E731
+    comm = interval_union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_comm(e)])
+    compute = interval_union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_comm(e)])
+    busy = interval_union(comm + compute)
+    span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        key = e["name"][:70]
+        by_name[key] = by_name.get(key, 0.0) + e["dur"]
+    per_step = lambda us: round(us / steps / 1e3, 3)  # noqa: E731
+    return {
+        "span_ms": per_step(span),
+        "compute_busy_ms": per_step(total(compute)),
+        "nccl_busy_ms": per_step(total(comm)),
+        "nccl_exposed_ms": per_step(minus(comm, compute)),
+        "idle_ms": per_step(span - total(busy)),
+        "streams": sorted({e.get("args", {}).get("stream") for e in kernels if is_comm(e)}),
+        "top_kernels_ms": {k: per_step(v) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:40]},
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--option", action="append", default=[], help="a moetune option, key=value (repeatable)")
+    parser.add_argument("--routing", choices=["real", "balanced"], default="real")
+    parser.add_argument("--cuda-graph", action="store_true")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--label", default="ep")
     args = parser.parse_args()
-    rank = int(os.environ["LOCAL_RANK"])
+    rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
-    cfg = transformers.Qwen3MoeConfig(**{**QWEN3_30B_A3B, "num_hidden_layers": args.layers})
-    model = moetune.AutoModelForCausalLM.from_config(
-        cfg, dtype=torch.bfloat16, ep_size=dist.get_world_size(), reduce_dtype=torch.bfloat16
-    ).train()
-    opt = AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
-    ids = torch.randint(0, cfg.vocab_size, (1, args.seq_len), device="cuda", generator=torch.Generator("cuda").manual_seed(rank))
+    device = torch.device("cuda", rank)
+    options = _moetune_options(argparse.Namespace(moetune_option=args.option))
+    _, config = load_config("qwen3_30b_a3b", layers=args.layers)
+    bench = build_moetune(config, device=device, seed=0, world_size=dist.get_world_size(), options=options,
+                          balanced_gate=args.routing == "balanced")  # fmt: skip
+    model = bench.model
+    opt = make_optimizer(model, lr=1e-5, device=device, kind="moetune", capturable=args.cuda_graph)
+    generator = torch.Generator(device).manual_seed(rank)
+    ids = torch.randint(0, config.vocab_size, (1, args.seq_len), device=device, generator=generator)
+    if args.cuda_graph:
+        from moetune.training import CUDAGraphTrainStep
 
-    def step():
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        graphed = CUDAGraphTrainStep(model, opt, warmup_steps=2)
+        step = lambda: graphed(input_ids=ids, labels=ids)  # noqa: E731
+    else:
 
-    for _ in range(3):
+        def step():
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    for _ in range(4):
         step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(3):
+    times = []
+    for _ in range(args.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) / 3 * 1e3
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
+    dist.barrier()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.profile_steps):
+            step()
         torch.cuda.synchronize()
+    args.out.mkdir(parents=True, exist_ok=True)
+    trace = args.out / f"trace_{args.label}_rank{rank}.json"
+    prof.export_chrome_trace(str(trace))
+    summary = {"label": args.label, "rank": rank, "options": options, "routing": args.routing,
+               "cuda_graph": args.cuda_graph, "layers": args.layers, "step_ms_median": round(statistics.median(times), 2),
+               **timeline(trace, args.profile_steps)}  # fmt: skip
+    (args.out / f"timeline_{args.label}_rank{rank}.json").write_text(json.dumps(summary, indent=1))
     if rank == 0:
-        print(f"wall per step {wall_ms:.1f} ms")
-        averages = prof.key_averages()
-        print(averages.table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
-        print(averages.table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+        print(json.dumps(summary, indent=1))
     dist.destroy_process_group()
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.distributed.dispatcher import scale_grad
-from moetune.kernels import moe_combine
+from moetune.kernels.permute import combine_rows, combine_rows_backward
 from moetune.moe.dispatch import TokenDispatcher, apply_experts, sort_ids
 from moetune.moe.routing import Routing
 
@@ -56,26 +56,52 @@ def _scatter_sum(x: torch.Tensor, group, world: int) -> torch.Tensor:
     return out
 
 
-class _GatherOrScatter(torch.autograd.Function):
-    """All-gather of rows (rank order) or sum + scatter of row blocks (block r to rank r); each
-    one's backward is the other."""
+class _AllGatherRows(torch.autograd.Function):
+    """All-gather of rows in rank order; the backward sums the gradient blocks over the ranks and
+    scatters block r to rank r."""
 
     @staticmethod
-    def forward(ctx, x, group, world: int, gather: bool) -> torch.Tensor:
-        ctx.group, ctx.world, ctx.gather = group, world, gather
-        return (_gather if gather else _scatter_sum)(x, group, world)
+    def forward(ctx, x, group, world: int) -> torch.Tensor:
+        ctx.group, ctx.world = group, world
+        return _gather(x, group, world)
 
     @staticmethod
     def backward(ctx, grad):
-        return (_scatter_sum if ctx.gather else _gather)(grad, ctx.group, ctx.world), None, None, None
+        return _scatter_sum(grad, ctx.group, ctx.world), None, None
+
+
+class CombineReduceScatter(torch.autograd.Function):
+    """Each gathered token's weighted sum of this rank's expert outputs (fp32 partial sums), summed
+    over the ranks and scattered back to the tokens' ranks, rounded to ``out_dtype`` once.
+
+    Padding rows (copies routed to other ranks) are undefined memory: the combine never reads them.
+    The partial sums stay in fp32 through the reduce-scatter, so each token's output is rounded to
+    the model dtype once, as on one device: bf16 outputs equal the local dispatcher's, and routing
+    decisions downstream do not flip on rounding differences. The backward all-gathers the output's
+    gradient in that dtype (exact: it is the gradient of a rounded tensor; half the bytes of fp32)
+    and hands it to the combine's backward, which scales the rows' gradient by 1 / ep in the
+    weights it multiplies by anyway (``dispatcher.rows_by_source``)."""
+
+    @staticmethod
+    def forward(ctx, y_NH, weights_GK, order_N, num_valid, group, world: int, out_dtype: torch.dtype):
+        ctx.save_for_backward(y_NH, weights_GK, order_N, num_valid)
+        ctx.group, ctx.world = group, world
+        partial_GH = combine_rows(y_NH, weights_GK, order_N, num_valid=num_valid, out_dtype=_partial_dtype(y_NH))
+        return _scatter_sum(partial_GH, group, world).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, dout_TH):
+        y_NH, weights_GK, order_N, num_valid = ctx.saved_tensors
+        dout_GH = _gather(dout_TH, ctx.group, ctx.world)
+        dy_NH, dw_GK = combine_rows_backward(
+            dout_GH, y_NH, weights_GK, order_N, num_valid=num_valid, need_weights_grad=ctx.needs_input_grad[1],
+            rows_grad_scale=1.0 / ctx.world,
+        )  # fmt: skip
+        return dy_NH, dw_GK, None, None, None, None, None
 
 
 def all_gather_rows(x: torch.Tensor, *, group, world: int) -> torch.Tensor:
-    return _GatherOrScatter.apply(x, group, world, True)
-
-
-def reduce_scatter_rows(x: torch.Tensor, *, group, world: int) -> torch.Tensor:
-    return _GatherOrScatter.apply(x, group, world, False)
+    return _AllGatherRows.apply(x, group, world)
 
 
 def _capturing() -> bool:
@@ -98,7 +124,9 @@ class AllGatherExpertParallelDispatcher(TokenDispatcher):
         padded_tokens = self._padded_tokens(num_tokens)
         if padded_tokens > num_tokens:  # a shorter micro-batch than a peer's (eager only): pad it
             x_TH, routing = _pad_tokens(x_TH, routing, padded_tokens, num_experts=num_experts)
-        x_GH = all_gather_rows(x_TH, group=group, world=ep)
+        # Expert weights' gradients: see dispatcher.rows_by_source (scaled by 1/ep entering the experts,
+        # folded into the combine's backward; by ep leaving them, applied here to the T rows, not the ep*T).
+        x_GH = all_gather_rows(scale_grad(x_TH, float(ep)), group=group, world=ep)
         weights_GK = all_gather_rows(routing.weights_TK, group=group, world=ep)
         experts_GK = _gather(routing.experts_TK, group, ep)  # integer ids: no gradient
         # Local expert id, or num_local for copies routed to another rank (sorted last: padding).
@@ -107,17 +135,9 @@ class AllGatherExpertParallelDispatcher(TokenDispatcher):
         order_N, counts_L = sort_ids(key_N, num_local + 1)
         counts_L = counts_L[:num_local]
         num_valid = counts_L.sum().reshape(1)  # this rank's rows; the rest of the ep*T*K slots are padding
-        # Expert weights' gradients: see dispatcher.rows_by_source (scaled by 1/ep entering the
-        # experts, by ep leaving them).
-        x_GH = scale_grad(x_GH, float(ep))
         y_NH = apply_experts(experts, x_GH, counts_L, gather_order=order_N, gather_top_k=top_k)
-        y_NH = scale_grad(y_NH, 1.0 / ep)
-        # Padding rows (copies routed to other ranks) are undefined memory: the combine never reads them.
-        # The partial sums stay in fp32 through the reduce-scatter, so each token's output is rounded to
-        # the model dtype once, as on one device: bf16 outputs equal the local dispatcher's, and routing
-        # decisions downstream do not flip on rounding differences.
-        partial_GH = moe_combine(y_NH, weights_GK, order_N, num_valid=num_valid, out_dtype=_partial_dtype(y_NH))
-        return reduce_scatter_rows(partial_GH, group=group, world=ep)[:num_tokens]
+        out_TH = CombineReduceScatter.apply(y_NH, weights_GK, order_N, num_valid, group, ep, x_TH.dtype)
+        return out_TH if padded_tokens == num_tokens else out_TH[:num_tokens]
 
     def dispatch(self, x_TH, routing, *, num_experts):
         raise NotImplementedError("AllGatherExpertParallelDispatcher combines inside run(); call run()")

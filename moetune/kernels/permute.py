@@ -234,30 +234,52 @@ class MoEPermuteFunction(torch.autograd.Function):
         return dx_TH, None, None, None, None
 
 
+def combine_rows(
+    y_NH: torch.Tensor, weights_TK: torch.Tensor, order_N: torch.Tensor, *,
+    num_valid: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, impl: Impl = "auto",
+) -> torch.Tensor:  # fmt: skip
+    """``moe_combine``'s forward alone, outside autograd."""
+    sum_rows = _sum_rows_triton if use_triton(impl, y_NH, order_N) else _sum_rows_torch
+    # The kernels index the weights by routed slot: a dense [T * K] vector.
+    return sum_rows(
+        y_NH, inverse_order(order_N), weights_TK.shape[1], weights=weights_TK.reshape(-1).contiguous(),
+        num_valid=num_valid, out_dtype=out_dtype,
+    )  # fmt: skip
+
+
+def combine_rows_backward(
+    dout_TH: torch.Tensor, y_NH: torch.Tensor, weights_TK: torch.Tensor, order_N: torch.Tensor, *,
+    num_valid: torch.Tensor | None = None, need_weights_grad: bool = True, rows_grad_scale: float = 1.0,
+    impl: Impl = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``moe_combine``'s backward alone: (gradient of ``y_NH`` times ``rows_grad_scale``, gradient of
+    ``weights_TK`` or None). ``dout_TH`` may be in any float dtype (the kernel computes in fp32);
+    the scale is folded into the weights the kernel multiplies by anyway (no pass over the rows)."""
+    gather = _gather_rows_triton if use_triton(impl, dout_TH, order_N) else _gather_rows_torch
+    weights_N = weights_TK.reshape(-1).contiguous()
+    if rows_grad_scale != 1.0:
+        weights_N = weights_N.float() * rows_grad_scale
+    dy_NH, dw_N = gather(
+        dout_TH, order_N, weights_TK.shape[1], weights=weights_N, y_for_dot=y_NH if need_weights_grad else None,
+        num_valid=num_valid, out_dtype=y_NH.dtype,
+    )  # fmt: skip
+    return dy_NH, dw_N.view_as(weights_TK).to(weights_TK.dtype) if need_weights_grad else None
+
+
 class MoECombineFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_NH, weights_TK, order_N, backend: str, num_valid=None, out_dtype=None):
-        top_k = weights_TK.shape[1]
-        sum_rows = _sum_rows_triton if backend == "triton" else _sum_rows_torch
-        # The kernels index the weights by routed slot: a dense [T * K] vector.
-        out_TH = sum_rows(
-            y_NH, inverse_order(order_N), top_k, weights=weights_TK.reshape(-1).contiguous(), num_valid=num_valid,
-            out_dtype=out_dtype,
-        )  # fmt: skip
         ctx.save_for_backward(y_NH, weights_TK, order_N, num_valid)
         ctx.backend = backend
-        return out_TH
+        return combine_rows(y_NH, weights_TK, order_N, num_valid=num_valid, out_dtype=out_dtype, impl=backend)
 
     @staticmethod
     def backward(ctx, dout_TH):
         y_NH, weights_TK, order_N, num_valid = ctx.saved_tensors
-        gather = _gather_rows_triton if ctx.backend == "triton" else _gather_rows_torch
-        need_dw = ctx.needs_input_grad[1]
-        dy_NH, dw_N = gather(
-            dout_TH, order_N, weights_TK.shape[1], weights=weights_TK.reshape(-1).contiguous(),
-            y_for_dot=y_NH if need_dw else None, num_valid=num_valid, out_dtype=y_NH.dtype,
-        )
-        dw_TK = dw_N.view_as(weights_TK).to(weights_TK.dtype) if need_dw else None
+        dy_NH, dw_TK = combine_rows_backward(
+            dout_TH, y_NH, weights_TK, order_N, num_valid=num_valid, need_weights_grad=ctx.needs_input_grad[1],
+            impl=ctx.backend,
+        )  # fmt: skip
         return dy_NH, dw_TK, None, None, None, None
 
 
