@@ -30,7 +30,7 @@ from moetune.distributed.allgather_dispatcher import AllGatherExpertParallelDisp
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
 from moetune.distributed.mesh import ParallelMesh, build_mesh, rank_device, require_process_group
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
-from moetune.distributed.replicate import ReplicatedGradientSync, broadcast_parameters
+from moetune.distributed.replicate import ReplicatedGradientSync, broadcast_parameters, gather_embedding_gradients
 from moetune.moe import GroupedExperts, MoEBlock, TokenDispatcher
 from moetune.options import DENSE_PARALLEL, check_ep_dispatch, check_ep_overlap_chunks
 
@@ -135,6 +135,11 @@ def replicate_dense_parameters(model: nn.Module, mesh: ParallelMesh) -> list[Rep
     dense = [p for p in model.parameters() if not isinstance(p, DTensor)]
     group = mesh.world.get_group()
     broadcast_parameters(dense, group=group)
+    embedding = model.get_input_embeddings()
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding.weight
+    if not tied and gather_embedding_gradients(embedding, group=group):  # averaged in its own backward
+        dense = [p for p in dense if p is not embedding.weight]
     syncs = [ReplicatedGradientSync(dense, group=group)]
     if mesh.world_size > mesh.ep_size:
         experts = [p for p in model.parameters() if isinstance(p, DTensor)]

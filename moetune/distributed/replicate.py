@@ -16,6 +16,12 @@ experts are replicated the same way over the ranks that hold the same experts: e
 gradient is all-reduced over those ranks only (``replicate_dense_parameters``). With
 gradient accumulation every backward reduces the accumulated gradient again, which is still the
 average (the part averaged before is equal on every rank).
+
+The input embedding is the exception (``gather_embedding_gradients``): its gradient is nonzero only
+in the rows of the tokens this step saw, so instead of all-reducing the full [vocab, hidden]
+gradient (622 MB for Qwen3-30B-A3B, ~2 ms on 2 H200s, exposed: it is the backward's last gradient)
+each rank all-gathers every rank's token ids and output gradients (16 MB at 4096 tokens) and builds
+the averaged gradient itself.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor
 
@@ -64,6 +71,80 @@ class ReplicatedGradientSync:
             work.wait()
             if not self.average_in_collective:
                 grad.div_(self.world)
+
+
+class _EmbeddingGatheredGrad(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose weight gradient is the average over the ranks of ``group``,
+    built on every rank from all ranks' ids and output gradients (rows no rank saw stay zero)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, group, world: int):
+        ctx.save_for_backward(ids)
+        ctx.padding_idx, ctx.group, ctx.world, ctx.num_weights = padding_idx, group, world, weight.shape[0]
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        ids_N, grad_NH = _gather_padded(ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]), ctx.group, ctx.world)
+        padding_idx = -1 if ctx.padding_idx is None else ctx.padding_idx
+        grad_weight = torch.ops.aten.embedding_dense_backward(grad_NH, ids_N, ctx.num_weights, padding_idx, False)
+        return None, grad_weight.div_(ctx.world), None, None, None
+
+
+def _gather_padded(ids_N, grad_NH, group, world: int):
+    """Every rank's ids and gradient rows, concatenated. Ranks with fewer tokens than the longest are
+    padded with id -1 (outside the vocabulary, skipped as a padding index would be: the rows add
+    nothing). Eager calls learn the counts first (one host sync); calls being captured in a CUDA
+    graph need equal counts (fixed-shape micro-batches) and skip that exchange."""
+    num = ids_N.shape[0]
+    longest = num
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        counts = torch.tensor([num], device=ids_N.device if ids_N.is_cuda else "cpu")
+        gathered_counts = counts.new_empty(world)
+        dist.all_gather_into_tensor(gathered_counts, counts, group=group)
+        longest = int(gathered_counts.max())
+    if longest > num:
+        ids_N = torch.cat([ids_N, ids_N.new_full((longest - num,), -1)])
+        grad_NH = torch.cat([grad_NH, grad_NH.new_zeros(longest - num, grad_NH.shape[1])])
+    all_ids = ids_N.new_empty(world * longest)
+    all_grads = grad_NH.new_empty(world * longest, grad_NH.shape[1])
+    dist.all_gather_into_tensor(all_ids, ids_N.contiguous(), group=group)
+    dist.all_gather_into_tensor(all_grads, grad_NH.contiguous(), group=group)
+    keep = all_ids >= 0  # padding rows: id 0 with a zero gradient row adds nothing
+    return torch.where(keep, all_ids, 0), all_grads
+
+
+class _GatheredGradEmbedding:
+    """Mixed into an ``nn.Embedding``'s class (FSDP2's pattern: the module and its state dict stay
+    as they are): the forward's weight gradient comes averaged over the replicas."""
+
+    _gather_group: dist.ProcessGroup
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
+            raise ValueError("gather_embedding_gradients takes plain embeddings (no max_norm, scale_grad_by_freq or sparse)")
+        group = self._gather_group
+        return _EmbeddingGatheredGrad.apply(input, self.weight, self.padding_idx, group, dist.get_world_size(group))
+
+
+_gathered_classes: dict[type, type] = {}
+
+
+def gather_embedding_gradients(embedding: nn.Module, *, group: dist.ProcessGroup) -> bool:
+    """Make ``embedding`` (a plain, trainable ``nn.Embedding``) produce its weight gradient already
+    averaged over ``group`` from the gathered tokens; returns False (nothing changed) for any other
+    module, which then needs the all-reduce."""
+    plain = type(embedding).forward is nn.Embedding.forward and isinstance(embedding, nn.Embedding)
+    if not plain or not embedding.weight.requires_grad or embedding.max_norm is not None or embedding.sparse \
+            or embedding.scale_grad_by_freq:  # fmt: skip
+        return False
+    cls = type(embedding)
+    if cls not in _gathered_classes:
+        _gathered_classes[cls] = type(f"GatheredGrad{cls.__name__}", (_GatheredGradEmbedding, cls), {})
+    embedding.__class__ = _gathered_classes[cls]
+    embedding._gather_group = group
+    return True
 
 
 @torch.no_grad()

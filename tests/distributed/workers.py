@@ -601,6 +601,7 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
         distributed_loss(model, step, rank, world_size, 64).backward()
         reference_loss(ref, step, world_size, 64).backward()
     _compare_grads(model, ref, what="allgather + replicate, two accumulated backwards")
+    uneven_sequences_replicated(rank, world_size, folder)
     # torch's multi-tensor AdamW cannot take plain and DTensor parameters in one list: a clear error.
     import pytest
 
@@ -621,6 +622,20 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
             copies = [torch.empty_like(param.data) for _ in range(world_size)]
             dist.all_gather(copies, param.data.contiguous())
             assert all(torch.equal(c, copies[0]) for c in copies), f"{name} differs between ranks after from_config"
+
+
+def uneven_sequences_replicated(rank: int, world_size: int, folder: str) -> None:
+    """Ranks with different sequence lengths (eager): the all-gather dispatcher pads the shorter ranks,
+    and the input embedding's gradient, built from every rank's gathered tokens instead of
+    all-reduced, is still the average of the ranks' gradients."""
+    from moetune.distributed.replicate import _GatheredGradEmbedding
+
+    model, ref = _load(folder, ep_size=world_size, **ALLGATHER_REPLICATE), _load(folder)
+    assert isinstance(model.get_input_embeddings(), _GatheredGradEmbedding)
+    batches = [torch.randint(0, 64, (1, SEQ + 3 * r), generator=torch.Generator().manual_seed(7 + r)) for r in range(world_size)]
+    model(input_ids=batches[rank], labels=batches[rank]).loss.backward()
+    sum(ref(input_ids=ids, labels=ids).loss for ids in batches).div(world_size).backward()
+    _compare_grads(model, ref, what="allgather + replicate, sequence lengths differ between ranks")
 
 
 def allgather_dispatcher(rank: int, world_size: int) -> None:
