@@ -54,6 +54,43 @@ def test_off_cuda_it_runs_the_eager_loop_exactly():
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def _eager_accumulated_losses(model, optimizer, steps, *, max_grad_norm=None) -> list[list[float]]:
+    losses = []
+    for micro_batches in steps:
+        losses.append([])
+        for ids in micro_batches:
+            loss = model(input_ids=ids, labels=ids).loss / len(micro_batches)
+            loss.backward()
+            losses[-1].append(loss.item())
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(model.parameters()), max_grad_norm, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+def _halved_loss(model, batch):
+    return model(**batch).loss / 2
+
+
+def test_gradient_accumulation_off_cuda_equals_the_eager_loop():
+    model = _model("cpu", torch.float32)
+    reference = copy.deepcopy(model)
+    step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-2), max_grad_norm=0.5, loss_fn=_halved_loss)
+    batches = _batches(6, "cpu")
+    steps = [batches[i:i + 2] for i in range(0, 6, 2)]
+    losses = []
+    for micro_batches in steps:
+        losses.append([step.forward_backward(input_ids=ids, labels=ids).item() for ids in micro_batches])
+        step.optimizer_step()
+    expected = _eager_accumulated_losses(reference, AdamW(reference.parameters(), lr=1e-2), steps, max_grad_norm=0.5)
+    assert losses == expected
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    with pytest.raises(RuntimeError, match="optimizer_step\\(\\) without a forward_backward"):
+        step.optimizer_step()
+
+
 def test_rejects_zero_warmup():
     model = _model("cpu", torch.float32)
     with pytest.raises(ValueError, match="warmup_steps must be >= 1"):
@@ -108,6 +145,38 @@ def _check_graphed_steps_equal_eager_steps(model) -> None:
             assert rel_err(a.float(), b.float()) < 1e-3, f"{name} after step {i}"
     assert step.captured
     assert all(p.grad is not None for p in model.parameters())  # the static gradients stay readable
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_gradient_accumulation_trains_like_eager_accumulation():
+    """Two micro-batches per step: the first replays the graph that writes the gradients, the second
+    the one that adds into them; losses, accumulated gradients and updates equal an eager
+    accumulating loop's through the warm-up, both captures and the replays (deterministic kernels)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        model = _model("cuda", torch.bfloat16, aux_loss=False)
+        reference = copy.deepcopy(model)
+        step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-3, capturable=True), max_grad_norm=1.0,
+                                  loss_fn=_halved_loss)  # fmt: skip
+        ref_optimizer = AdamW(reference.parameters(), lr=1e-3, capturable=True)
+        batches = _batches(10, "cuda")
+        for i in range(5):
+            for ids in batches[2 * i:2 * i + 2]:
+                loss = step.forward_backward(input_ids=ids, labels=ids)
+                ref_loss = _halved_loss(reference, {"input_ids": ids, "labels": ids})
+                ref_loss.backward()
+                assert abs(loss.item() - ref_loss.item()) <= 1e-4 * abs(ref_loss.item()), f"loss of step {i}"
+            for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+                assert rel_err(a.grad.float(), b.grad.float()) < 1e-3, f"accumulated gradient of {name} at step {i}"
+            step.optimizer_step()
+            torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 1.0, foreach=True)
+            ref_optimizer.step()
+            ref_optimizer.zero_grad(set_to_none=True)
+            for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+                assert rel_err(a.float(), b.float()) < 1e-3, f"{name} after step {i}"
+        assert step.captured and step._accumulate_graph is not None
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 """A training step replayed from CUDA graphs: forward + backward in one graph, the optimizer step
-(with optional gradient clipping) in another.
+(with optional gradient clipping) in another; with gradient accumulation a second forward + backward
+graph adds each further micro-batch's gradients to the first one's.
 
 Why: moetune's one-GPU step launches about a thousand kernels from Python; on an H200 the host
 cannot issue them as fast as the GPU runs them and the GPU waits ~9 ms of a ~77 ms step
@@ -14,10 +15,20 @@ its batch into them and replays. Gradients are set to None before the capture, s
 backward allocates them in the graph's memory pool and writes (does not accumulate) them; the
 same buffers are overwritten by each replay and read by the optimizer graph.
 
+Gradient accumulation: call ``forward_backward`` once per micro-batch, then ``optimizer_step``.
+The first micro-batch after an optimizer step replays the graph that writes the gradients; the
+others replay a second graph, captured once the gradients exist, whose backward adds into those
+same buffers in place (autograd accumulates into an existing ``.grad`` in place when no graph of
+the gradient is built). So gradients are never zeroed (a write costs what a zeroing would) and the
+single-micro-batch step keeps its one graph. Both graphs share one memory pool and always replay
+in the order they were captured (write, then accumulate), as sharing a pool requires. The losses
+are summed as returned: scale them in ``loss_fn`` (e.g. divide by the number of micro-batches, or
+pass ``num_items_in_batch`` as a tensor in the batch), exactly as in an eager loop.
+
 Requirements, checked before the capture: CUDA; every call's tensors have the shapes and dtypes
 of the captured batch (pack sequences to a fixed length); a capturable optimizer
 (``moetune.optim.AdamW(capturable=True)``, or torch's with ``capturable=True``); no host
-synchronisation in the step; one micro-batch per optimizer step. Expert parallelism is captured
+synchronisation in the step. Expert parallelism is captured
 with ``ep_dispatch="allgather"`` and ``dense_parallel="replicate"`` (fixed shapes, collectives
 on the device only; the all-to-all dispatcher needs its split sizes on the host and FSDP2 manages
 parameter memory from the host); gradient clipping then goes through
@@ -82,15 +93,19 @@ class CUDAGraphTrainStep:
         self._eager_steps = 0
         self._static_batch: dict[str, torch.Tensor] | None = None
         self._static_loss: torch.Tensor | None = None
+        self._static_accumulate_loss: torch.Tensor | None = None
         self._static_grads: list[torch.Tensor | None] = []
         self._forward_backward_graph: torch.cuda.CUDAGraph | None = None
+        self._accumulate_graph: torch.cuda.CUDAGraph | None = None
+        self._accumulated = 0  # micro-batches since the last optimizer step
         self._optimizer_graph: torch.cuda.CUDAGraph | None = None
         self._side_stream = torch.cuda.Stream() if self.use_graphs else None
 
     def close(self) -> None:
         """Drop the graphs and their static tensors (the model trains eagerly again)."""
-        self._forward_backward_graph = self._optimizer_graph = None
-        self._static_batch = self._static_loss = None
+        self._forward_backward_graph = self._accumulate_graph = self._optimizer_graph = None
+        self._static_batch = self._static_loss = self._static_accumulate_loss = None
+        self._accumulated = 0
         self._static_grads = []
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -104,18 +119,29 @@ class CUDAGraphTrainStep:
         return loss
 
     def forward_backward(self, **batch: torch.Tensor) -> torch.Tensor:
-        """Forward and backward of one batch; returns the loss (detached)."""
+        """Forward and backward of one micro-batch; its gradients are added to those of the earlier
+        micro-batches since the last ``optimizer_step``. Returns the loss (detached)."""
+        accumulate = self._accumulated > 0
+        self._accumulated += 1
         if not self.use_graphs or self._eager_steps < self.warmup_steps:
             return self._eager(lambda: self._eager_forward_backward(batch))
-        if self._forward_backward_graph is None:
+        if self._forward_backward_graph is None:  # warm-up steps just ended: a step's first micro-batch
             self._capture_forward_backward(batch)
         else:
             self._copy_into_static(batch)
-        self._forward_backward_graph.replay()
+            if accumulate and self._accumulate_graph is None:
+                self._capture_accumulate()
+        if accumulate:
+            self._accumulate_graph.replay()
+        else:
+            self._forward_backward_graph.replay()
         self._restore_grads()
-        return self._static_loss.clone()
+        return (self._static_accumulate_loss if accumulate else self._static_loss).clone()
 
     def optimizer_step(self) -> None:
+        if self._accumulated == 0:
+            raise RuntimeError("CUDA-graph step: optimizer_step() without a forward_backward() since the last step")
+        self._accumulated = 0
         if self._forward_backward_graph is None:
             self._eager(self._eager_optimizer_step)
             self._eager_steps += 1
@@ -181,6 +207,28 @@ class CUDAGraphTrainStep:
         self._static_grads = [p.grad for p in self.params]
         if all(grad is None for grad in self._static_grads):
             raise RuntimeError("CUDA-graph step: the captured backward produced no gradient")
+
+    def _capture_accumulate(self) -> None:
+        """The second graph: the same forward + backward, captured while the gradients exist, so its
+        backward adds into them. Captured into the first graph's pool (replayed after it, always)."""
+        self._restore_grads()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._forward_backward_graph.pool()):
+            self._static_accumulate_loss = self._eager_forward_backward(self._static_batch)
+        replaced = [name for name, (param, grad) in zip(self._param_names(), zip(self.params, self._static_grads))
+                    if param.grad is not grad]  # fmt: skip
+        if replaced:
+            raise RuntimeError(
+                f"CUDA-graph step: the accumulating backward replaced the gradient of {replaced[:3]} instead of adding "
+                "to it in place (a gradient hook that returns a new tensor, or a parameter without a gradient in "
+                "the first micro-batch); use one micro-batch per step or train eagerly"
+            )
+        self._accumulate_graph = graph
+
+    def _param_names(self) -> list[str]:
+        names = {param: name for name, param in self.model.named_parameters()}
+        return [names.get(param, f"param {i}") for i, param in enumerate(self.params)]
 
     def _copy_into_static(self, batch: Mapping[str, torch.Tensor]) -> None:
         if batch.keys() != self._static_batch.keys():
