@@ -129,14 +129,15 @@ def main() -> None:
     torch.cuda.synchronize()
     # One unrecorded step first: the ranks' hosts reach the profiler at different times, and the
     # first collective of the first recorded step would count that skew as NCCL time.
-    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=args.profile_steps)) as prof:
+    args.out.mkdir(parents=True, exist_ok=True)
+    trace = args.out / f"trace_{args.label}_rank{rank}.json"
+    # With a schedule the recorded steps reach only on_trace_ready (exporting after the block is empty).
+    with profile(activities=[ProfilerActivity.CUDA], schedule=schedule(wait=0, warmup=1, active=args.profile_steps),
+                 on_trace_ready=lambda p: p.export_chrome_trace(str(trace))) as prof:  # fmt: skip
         for _ in range(1 + args.profile_steps):
             step()
             torch.cuda.synchronize()
             prof.step()
-    args.out.mkdir(parents=True, exist_ok=True)
-    trace = args.out / f"trace_{args.label}_rank{rank}.json"
-    prof.export_chrome_trace(str(trace))
     summary = {"label": args.label, "rank": rank, "options": options, "routing": args.routing,
                "cuda_graph": args.cuda_graph, "layers": args.layers, "step_ms_median": round(statistics.median(times), 2),
                **timeline(trace, args.profile_steps)}  # fmt: skip
