@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -133,8 +134,12 @@ def replicate_dense_parameters(model: nn.Module, mesh: ParallelMesh) -> list[Rep
     hold the same experts, and averaged there (with the dispatcher's 1 / ep scaling, the average over
     all ranks, as for every other parameter)."""
     dense = [p for p in model.parameters() if not isinstance(p, DTensor)]
-    group = mesh.world.get_group()
-    broadcast_parameters(dense, group=group)
+    broadcast_parameters(dense, group=mesh.world.get_group())
+    # The gradients get a communicator of their own. When ep == world, DeviceMesh hands the ep dim
+    # the default group, which is also the flattened world's: one NCCL communicator runs its
+    # collectives in issue order, so the experts' all-gather waited behind the LM head's 622 MB
+    # gradient all-reduce (2 ms with the compute stream idle, on 2 H200s: benchmarks/profile_ep.py).
+    group = dist.new_group(ranks=list(range(mesh.world_size)), group_desc="moetune_replicated_grads")
     embedding = model.get_input_embeddings()
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding.weight

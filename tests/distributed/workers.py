@@ -632,6 +632,10 @@ def uneven_sequences_replicated(rank: int, world_size: int, folder: str) -> None
 
     model, ref = _load(folder, ep_size=world_size, **ALLGATHER_REPLICATE), _load(folder)
     assert isinstance(model.get_input_embeddings(), _GatheredGradEmbedding)
+    # The gradients' communicator is not the experts' (ep == world: DeviceMesh gives ep the default
+    # group), so their all-reduces do not queue behind each other.
+    dense_group = model.replicated_gradient_syncs[0].group
+    assert dense_group is not model.parallel_mesh.ep.get_group() and dense_group is not dist.group.WORLD
     batches = [torch.randint(0, 64, (1, SEQ + 3 * r), generator=torch.Generator().manual_seed(7 + r)) for r in range(world_size)]
     model(input_ids=batches[rank], labels=batches[rank]).loss.backward()
     sum(ref(input_ids=ids, labels=ids).loss for ids in batches).div(world_size).backward()
