@@ -38,15 +38,7 @@ from torch.distributed.tensor import DTensor
 
 
 class ReplicatedGradientSync:
-    """Averages the gradients of ``params`` over ``group`` in every backward.
-
-    On CUDA each all-reduce is launched from a side stream that first waits for the gradient's
-    producer, and the end of the backward makes the compute stream wait for that stream. Why not
-    ``async_op=True``: captured in a CUDA graph, those all-reduces ran serialised with the backward's
-    kernels (on 2 H200s the LM head's 622 MB all-reduce left the compute stream idle for 2 ms, the
-    per-layer ones for ~55 us each: 3.2-3.7 ms of a 118 ms step, benchmarks/profile_ep.py); from an
-    explicit side stream the capture records a fork and a join, and they overlap the backward.
-    """
+    """Averages the gradients of ``params`` over ``group`` in every backward."""
 
     def __init__(self, params: Iterable[nn.Parameter], *, group: dist.ProcessGroup) -> None:
         self.params = [p for p in params if p.requires_grad]
@@ -55,8 +47,6 @@ class ReplicatedGradientSync:
         # gloo has no AVG reduction: sum, then divide once the reduction is done.
         self.average_in_collective = "nccl" in str(dist.get_backend(group)).lower()
         self._pending: list[tuple[torch.Tensor, dist.Work]] = []
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._launched_on: set[torch.cuda.Stream] = set()
         self._handles = [p.register_post_accumulate_grad_hook(self._reduce) for p in self.params]
         _install_optimizer_check()
 
@@ -70,24 +60,12 @@ class ReplicatedGradientSync:
         # An expert's DTensor gradient (replicated over the ranks holding the same experts): its local
         # tensor, in place.
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        if grad.is_cuda and self.average_in_collective:
-            stream = self._streams.get(grad.device)
-            if stream is None:
-                stream = self._streams[grad.device] = torch.cuda.Stream(grad.device)
-            stream.wait_stream(torch.cuda.current_stream(grad.device))  # the gradient is complete
-            with torch.cuda.stream(stream):
-                dist.all_reduce(grad, op=op, group=self.group)  # ordered on this stream when it returns
-            self._launched_on.add(stream)
-        else:
-            self._pending.append((grad, dist.all_reduce(grad, op=op, group=self.group, async_op=True)))
+        self._pending.append((grad, dist.all_reduce(grad, op=op, group=self.group, async_op=True)))
         # Queued by every hook (the later calls find nothing left to wait for): no state that a
         # backward interrupted by an exception could leave stale for the next one.
         torch.autograd.Variable._execution_engine.queue_callback(self._wait_all)
 
     def _wait_all(self) -> None:
-        launched, self._launched_on = self._launched_on, set()
-        for stream in launched:
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
         pending, self._pending = self._pending, []
         for grad, work in pending:
             work.wait()
