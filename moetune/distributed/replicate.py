@@ -78,32 +78,43 @@ class _EmbeddingGatheredGrad(torch.autograd.Function):
     built on every rank from all ranks' ids and output gradients (rows no rank saw stay zero)."""
 
     @staticmethod
-    def forward(ctx, ids, weight, padding_idx, group, world: int):
+    def forward(ctx, ids, weight, padding_idx, group, world: int, state: dict):
         ctx.save_for_backward(ids)
         ctx.padding_idx, ctx.group, ctx.world, ctx.num_weights = padding_idx, group, world, weight.shape[0]
+        ctx.state = state
         return F.embedding(ids, weight, padding_idx)
 
     @staticmethod
     def backward(ctx, grad_out):
         (ids,) = ctx.saved_tensors
-        ids_N, grad_NH = _gather_padded(ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]), ctx.group, ctx.world)
+        ids_N, grad_NH = _gather_padded(
+            ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]), ctx.group, ctx.world, ctx.state
+        )  # fmt: skip
         padding_idx = -1 if ctx.padding_idx is None else ctx.padding_idx
         grad_weight = torch.ops.aten.embedding_dense_backward(grad_NH, ids_N, ctx.num_weights, padding_idx, False)
-        return None, grad_weight.div_(ctx.world), None, None, None
+        return None, grad_weight.div_(ctx.world), None, None, None, None
 
 
-def _gather_padded(ids_N, grad_NH, group, world: int):
+def _gather_padded(ids_N, grad_NH, group, world: int, state: dict):
     """Every rank's ids and gradient rows, concatenated. Ranks with fewer tokens than the longest are
     padded with id -1 (outside the vocabulary, skipped as a padding index would be: the rows add
     nothing). Eager calls learn the counts first (one host sync); calls being captured in a CUDA
-    graph need equal counts (fixed-shape micro-batches) and skip that exchange."""
+    graph need equal counts (fixed-shape micro-batches) and skip that exchange; ``state`` remembers
+    whether the last eager call saw unequal counts, so that such a capture raises instead of hanging."""
     num = ids_N.shape[0]
     longest = num
-    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+    if _capturing():
+        if state.get("uneven"):
+            raise ValueError(
+                "dense_parallel='replicate': the input embedding's backward is being captured in a CUDA graph with "
+                "different token counts on the ranks: pack or pad every micro-batch to one shape"
+            )
+    else:
         counts = torch.tensor([num], device=ids_N.device if ids_N.is_cuda else "cpu")
         gathered_counts = counts.new_empty(world)
         dist.all_gather_into_tensor(gathered_counts, counts, group=group)
         longest = int(gathered_counts.max())
+        state["uneven"] = bool((gathered_counts != num).any())
     if longest > num:
         ids_N = torch.cat([ids_N, ids_N.new_full((longest - num,), -1)])
         grad_NH = torch.cat([grad_NH, grad_NH.new_zeros(longest - num, grad_NH.shape[1])])
@@ -115,17 +126,24 @@ def _gather_padded(ids_N, grad_NH, group, world: int):
     return torch.where(keep, all_ids, 0), all_grads
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class _GatheredGradEmbedding:
     """Mixed into an ``nn.Embedding``'s class (FSDP2's pattern: the module and its state dict stay
     as they are): the forward's weight gradient comes averaged over the replicas."""
 
     _gather_group: dist.ProcessGroup
+    _gather_state: dict
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
             raise ValueError("gather_embedding_gradients takes plain embeddings (no max_norm, scale_grad_by_freq or sparse)")
         group = self._gather_group
-        return _EmbeddingGatheredGrad.apply(input, self.weight, self.padding_idx, group, dist.get_world_size(group))
+        return _EmbeddingGatheredGrad.apply(
+            input, self.weight, self.padding_idx, group, dist.get_world_size(group), self._gather_state
+        )  # fmt: skip
 
 
 _gathered_classes: dict[type, type] = {}
@@ -144,6 +162,7 @@ def gather_embedding_gradients(embedding: nn.Module, *, group: dist.ProcessGroup
         _gathered_classes[cls] = type(f"GatheredGrad{cls.__name__}", (_GatheredGradEmbedding, cls), {})
     embedding.__class__ = _gathered_classes[cls]
     embedding._gather_group = group
+    embedding._gather_state = {"uneven": False}
     return True
 
 

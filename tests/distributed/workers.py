@@ -640,6 +640,19 @@ def uneven_sequences_replicated(rank: int, world_size: int, folder: str) -> None
     model(input_ids=batches[rank], labels=batches[rank]).loss.backward()
     sum(ref(input_ids=ids, labels=ids).loss for ids in batches).div(world_size).backward()
     _compare_grads(model, ref, what="allgather + replicate, sequence lengths differ between ranks")
+    # A CUDA-graph capture skips the count exchange: after an uneven eager backward it must refuse.
+    import pytest
+
+    import moetune.distributed.replicate as replicate_module
+
+    embedding = model.get_input_embeddings()
+    out = embedding(batches[rank])
+    capturing, replicate_module._capturing = replicate_module._capturing, lambda: True
+    try:
+        with pytest.raises(ValueError, match="input embedding's backward is being captured"):
+            out.sum().backward()
+    finally:
+        replicate_module._capturing = capturing
 
 
 def allgather_dispatcher(rank: int, world_size: int) -> None:
