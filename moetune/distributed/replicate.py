@@ -122,8 +122,9 @@ def _gather_padded(ids_N, grad_NH, group, world: int, state: dict):
     all_grads = grad_NH.new_empty(world * longest, grad_NH.shape[1])
     dist.all_gather_into_tensor(all_ids, ids_N.contiguous(), group=group)
     dist.all_gather_into_tensor(all_grads, grad_NH.contiguous(), group=group)
-    keep = all_ids >= 0  # padding rows: id 0 with a zero gradient row adds nothing
-    return torch.where(keep, all_ids, 0), all_grads
+    if state.get("uneven"):  # padding rows: id 0 with a zero gradient row adds nothing
+        all_ids = torch.where(all_ids >= 0, all_ids, 0)
+    return all_ids, all_grads
 
 
 def _capturing() -> bool:
@@ -138,8 +139,6 @@ class _GatheredGradEmbedding:
     _gather_state: dict
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.max_norm is not None or self.scale_grad_by_freq or self.sparse:
-            raise ValueError("gather_embedding_gradients takes plain embeddings (no max_norm, scale_grad_by_freq or sparse)")
         group = self._gather_group
         return _EmbeddingGatheredGrad.apply(
             input, self.weight, self.padding_idx, group, dist.get_world_size(group), self._gather_state
