@@ -16,6 +16,9 @@
 #     rowBgraph  rows B and C with moetune's expert-parallel step captured in CUDA graphs (all-gather
 #                dispatcher, replicated non-expert parameters), Transformers + FSDP2 measured alongside
 #     rowBag     moetune alone, the same options, eager (what the graph saves)
+#     profileep  the graphed expert-parallel step's GPU timeline per rank (benchmarks/profile_ep.py:
+#                compute-busy, NCCL-busy and exposed NCCL time; traces under $OUT/profile_ep)
+#     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/nccl_probe.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -69,6 +72,19 @@ fi
 if stage rowBag; then
   echo "== moetune alone, all-gather dispatcher + replicated dense parameters, eager"
   bench2 200 --routing both --sides moetune "${GRAPHABLE_EP[@]}"
+fi
+
+if stage profileep; then
+  echo "== graphed expert-parallel step, GPU timeline"
+  timeout 150 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/profile_ep.py --layers "${LAYERS:-16}" \
+    --option ep_dispatch=allgather --option dense_parallel=replicate --cuda-graph --out "$OUT/profile_ep" \
+    --label "$MOETUNE_COMMIT" 2>&1 | grep -vi warn | tail -12 || status=1
+fi
+
+if stage ncclprobe; then
+  echo "== the all-gather dispatcher's collectives alone"
+  timeout 90 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/nccl_probe.py --out "$OUT/nccl_probe.jsonl" \
+    2>&1 | grep case || status=1
 fi
 
 if stage chunks; then
