@@ -236,3 +236,29 @@ def test_combine_num_valid_skips_padding_rows_in_interpreter(interpret):
     got, expected = _combine_with_padding("triton", torch.float32)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e)
+
+
+def _scaled_combine_backward(impl: str):
+    """combine_rows_backward with a rows' gradient scale (the all-gather dispatcher's 1 / ep) and a
+    bf16 output gradient: the rows' gradient is the unscaled one times the scale, the weights'
+    gradient is unchanged."""
+    from moetune.kernels.permute import combine_rows_backward
+
+    torch.manual_seed(5)
+    num_tokens, top_k, hidden = 7, 2, 48
+    order_N, weights_TK = routing(num_tokens, top_k, 4)
+    y_NH = torch.randn(num_tokens * top_k, hidden)
+    dout = torch.randn(num_tokens, hidden).to(torch.bfloat16)
+    dy_scaled, dw_scaled = combine_rows_backward(dout, y_NH, weights_TK, order_N, rows_grad_scale=0.25, impl=impl)
+    dy, dw = combine_rows_backward(dout.float(), y_NH, weights_TK, order_N, impl=impl)
+    torch.testing.assert_close(dy_scaled, dy * 0.25)
+    torch.testing.assert_close(dw_scaled, dw)
+    assert dy.dtype == y_NH.dtype
+
+
+def test_combine_backward_scales_the_rows_gradient_torch():
+    _scaled_combine_backward("torch")
+
+
+def test_combine_backward_scales_the_rows_gradient_in_interpreter(interpret):
+    _scaled_combine_backward("triton")
