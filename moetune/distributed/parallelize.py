@@ -31,7 +31,12 @@ from moetune.distributed.allgather_dispatcher import AllGatherExpertParallelDisp
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
 from moetune.distributed.mesh import ParallelMesh, build_mesh, rank_device, require_process_group
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
-from moetune.distributed.replicate import ReplicatedGradientSync, broadcast_parameters, gather_embedding_gradients
+from moetune.distributed.replicate import (
+    ReplicatedGradientSync,
+    broadcast_parameters,
+    gather_embedding_gradients,
+    no_gradient_sync,
+)
 from moetune.moe import GroupedExperts, MoEBlock, TokenDispatcher
 from moetune.options import DENSE_PARALLEL, check_ep_dispatch, check_ep_overlap_chunks
 
@@ -305,6 +310,9 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         reset_lora_parameters(model)
     if config.dense_parallel == "replicate":
         model.replicated_gradient_syncs = replicate_dense_parameters(model, mesh)  # kept alive with the model
+        # DDP's name, which accelerate (Transformers' Trainer) and the recipe call for all but the last
+        # micro-batch of a step.
+        model.no_sync = partial(no_gradient_sync, model.replicated_gradient_syncs)
     model.parallel_mesh = mesh
     return model
 

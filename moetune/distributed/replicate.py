@@ -26,8 +26,9 @@ the averaged gradient itself.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,8 @@ class ReplicatedGradientSync:
         # gloo has no AVG reduction: sum, then divide once the reduction is done.
         self.average_in_collective = "nccl" in str(dist.get_backend(group)).lower()
         self._pending: list[tuple[torch.Tensor, dist.Work]] = []
+        self.enabled = True
+        """False inside ``no_gradient_sync``: gradients accumulate locally, unreduced."""
         self._handles = [p.register_post_accumulate_grad_hook(self._reduce) for p in self.params]
         _install_optimizer_check()
 
@@ -56,6 +59,8 @@ class ReplicatedGradientSync:
         self._handles = []
 
     def _reduce(self, param: nn.Parameter) -> None:
+        if not self.enabled:
+            return
         op = dist.ReduceOp.AVG if self.average_in_collective else dist.ReduceOp.SUM
         # An expert's DTensor gradient (replicated over the ranks holding the same experts): its local
         # tensor, in place.
@@ -71,6 +76,24 @@ class ReplicatedGradientSync:
             work.wait()
             if not self.average_in_collective:
                 grad.div_(self.world)
+
+
+@contextlib.contextmanager
+def no_gradient_sync(syncs: Iterable[ReplicatedGradientSync]) -> Iterator[None]:
+    """DDP's ``no_sync``: the backwards inside leave their gradients unreduced (each rank accumulates
+    its own); the first backward after it reduces the accumulated sums, which averages them all, as
+    the sum of averages would (averaging is linear). For gradient accumulation: all but the last
+    micro-batch inside, so each step all-reduces once instead of once per micro-batch. The input
+    embedding's gathered gradient is averaged in every backward either way (it stays correct)."""
+    syncs = list(syncs)
+    previous = [sync.enabled for sync in syncs]
+    for sync in syncs:
+        sync.enabled = False
+    try:
+        yield
+    finally:
+        for sync, enabled in zip(syncs, previous):
+            sync.enabled = enabled
 
 
 class _EmbeddingGatheredGrad(torch.autograd.Function):

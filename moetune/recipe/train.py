@@ -67,19 +67,25 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
         [sum(b.num_label_tokens for b in micro_batches), sum(b.num_tokens for b in micro_batches)], runtime)
     items_per_rank = max(num_label, 1.0) / runtime.world_size
     loss_sum = torch.zeros((), device=runtime.device)
-    for batch in micro_batches:
+    # DDP and dense_parallel='replicate' reduce the gradients once, in the last micro-batch's backward
+    # (DDP's no_sync must cover the forward too).
+    no_sync = getattr(model, "no_sync", None)
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
         recording = expert_load.recording(model) if expert_load is not None else contextlib.nullcontext()
-        with autocast(), recording:
-            out = model(**batch.model_inputs(runtime.device), num_items_in_batch=items_per_rank,
-                        output_router_logits=expert_load is not None)
-        lm_loss = out.loss
-        if getattr(out, "aux_loss", None) is not None and aux_coef:
-            # The model added aux_coef * aux per micro-batch; keep the LM part and average the aux part.
-            lm_loss = out.loss - aux_coef * out.aux_loss
-            loss = lm_loss + aux_coef * out.aux_loss / len(micro_batches)
-        else:
-            loss = lm_loss
-        loss.backward()
+        with sync:
+            with autocast(), recording:
+                out = model(**batch.model_inputs(runtime.device), num_items_in_batch=items_per_rank,
+                            output_router_logits=expert_load is not None)
+            lm_loss = out.loss
+            if getattr(out, "aux_loss", None) is not None and aux_coef:
+                # The model added aux_coef * aux per micro-batch; keep the LM part and average the aux part.
+                lm_loss = out.loss - aux_coef * out.aux_loss
+                loss = lm_loss + aux_coef * out.aux_loss / len(micro_batches)
+            else:
+                loss = lm_loss
+            loss.backward()
         loss_sum += lm_loss.detach()
         if expert_load is not None:
             expert_load.add(out.router_logits, batch.real_BT.flatten())

@@ -601,6 +601,17 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
         distributed_loss(model, step, rank, world_size, 64).backward()
         reference_loss(ref, step, world_size, 64).backward()
     _compare_grads(model, ref, what="allgather + replicate, two accumulated backwards")
+    # The same with the first backward inside model.no_sync() (DDP's name, which accelerate and the
+    # recipe call): left unreduced there (the ranks' gradients differ), averaged by the last backward.
+    model = _load(folder, ep_size=world_size, **ALLGATHER_REPLICATE)
+    with model.no_sync():
+        distributed_loss(model, 0, rank, world_size, 64).backward()
+    head = model.get_output_embeddings().weight.grad
+    copies = [torch.empty_like(head) for _ in range(world_size)]
+    dist.all_gather(copies, head)
+    assert not torch.equal(copies[0], copies[1]), "no_sync() still all-reduced the gradients"
+    distributed_loss(model, 1, rank, world_size, 64).backward()
+    _compare_grads(model, ref, what="allgather + replicate, no_sync() then a synchronised backward")
     uneven_sequences_replicated(rank, world_size, folder)
     # torch's multi-tensor AdamW cannot take plain and DTensor parameters in one list: a clear error.
     import pytest

@@ -52,6 +52,19 @@ def test_ddp_two_ranks_train_and_export(tmp_path):
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
 
 
+def test_ddp_gradient_accumulation_matches_bigger_micro_batches(tmp_path):
+    """Two micro-batches of one row per step, the first under DDP's no_sync (the gradients are reduced
+    once, in the last backward), train as one micro-batch of two rows: the same global batch, the
+    same losses. (Reducing in the wrong backward leaves the ranks apart and fails this.)"""
+    accumulated = losses(run_job(tmp_path, tmp_path / "acc", "--training.steps", "3", "--distributed.parallelism", "ddp",
+                                 "--training.grad_accum_steps", "2", "--checkpoint.export_final", "false"))
+    single = losses(run_job(tmp_path, tmp_path / "one", "--training.steps", "3", "--distributed.parallelism", "ddp",
+                            "--training.micro_batch_size", "2", "--checkpoint.export_final", "false"))
+    assert sorted(accumulated) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert accumulated[step] == pytest.approx(single[step], rel=1e-5), f"step {step}"
+
+
 def test_expert_parallel_two_ranks_train_resume_and_export(tmp_path):
     ep = ("--distributed.ep_size", "2")
     full = losses(run_job(tmp_path, tmp_path / "ep", "--training.steps", "4", "--checkpoint.every", "2", *ep))
