@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from moetune.distributed.dispatcher import scale_grad
+from moetune.distributed.token_counts import LargestTokenCount
 from moetune.kernels.permute import combine_rows, combine_rows_backward
 from moetune.moe.dispatch import TokenDispatcher, apply_experts, sort_ids
 from moetune.moe.routing import Routing
@@ -104,10 +105,6 @@ def all_gather_rows(x: torch.Tensor, *, group, world: int) -> torch.Tensor:
     return _AllGatherRows.apply(x, group, world)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 class AllGatherExpertParallelDispatcher(TokenDispatcher):
     """Rank r holds experts [r*L, (r+1)*L); ``run`` = all-gather -> local experts -> reduce-scatter."""
 
@@ -115,7 +112,10 @@ class AllGatherExpertParallelDispatcher(TokenDispatcher):
         self.group = group
         self.ep_size = ep_size
         self.rank = dist.get_rank(group)
-        self._last_eager_uneven = False
+        # The largest token count of the group (eager: one host sync); under capture this rank's own.
+        self._padded_tokens = LargestTokenCount(
+            group, what="ep_dispatch='allgather' (the tokens of the expert-parallel group)"
+        )  # fmt: skip
 
     def run(self, x_TH: torch.Tensor, routing: Routing, experts, *, num_experts: int) -> torch.Tensor:
         ep, group, top_k = self.ep_size, self.group, routing.experts_TK.shape[1]
@@ -145,21 +145,6 @@ class AllGatherExpertParallelDispatcher(TokenDispatcher):
     def combine(self, y_NH, state):
         raise NotImplementedError("AllGatherExpertParallelDispatcher combines inside run(); call run()")
 
-    def _padded_tokens(self, num_tokens: int) -> int:
-        """The largest token count of the group (eager: one host sync); under capture this rank's own,
-        which the eager warm-up of the captured step found equal on every rank."""
-        if _capturing():
-            if self._last_eager_uneven:
-                raise ValueError(
-                    "ep_dispatch='allgather' is being captured in a CUDA graph with different token counts on the "
-                    "ranks of the expert-parallel group: pack or pad every micro-batch to one shape"
-                )
-            return num_tokens
-        mine = torch.tensor([num_tokens], dtype=torch.int64, device=_collective_device(self.group))
-        counts = _gather(mine, self.group, self.ep_size).tolist()  # host sync (eager calls only)
-        self._last_eager_uneven = len(set(counts)) > 1
-        return max(counts)
-
     def __repr__(self) -> str:
         return f"AllGatherExpertParallelDispatcher(ep_size={self.ep_size})"
 
@@ -176,8 +161,3 @@ def _pad_tokens(x_TH: torch.Tensor, routing: Routing, num_tokens: int, *, num_ex
 
 def _partial_dtype(y: torch.Tensor) -> torch.dtype:
     return torch.promote_types(y.dtype, torch.float32)
-
-
-def _collective_device(group) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")

@@ -37,6 +37,8 @@ from torch.nn import functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor
 
+from moetune.distributed.token_counts import LargestTokenCount
+
 
 class ReplicatedGradientSync:
     """Averages the gradients of ``params`` over ``group`` in every backward."""
@@ -97,75 +99,49 @@ def no_gradient_sync(syncs: Iterable[ReplicatedGradientSync]) -> Iterator[None]:
 
 
 class _EmbeddingGatheredGrad(torch.autograd.Function):
-    """``F.embedding(ids, weight)`` whose weight gradient is the average over the ranks of ``group``,
-    built on every rank from all ranks' ids and output gradients (rows no rank saw stay zero)."""
+    """``F.embedding(ids, weight)`` whose weight gradient is the average over the ranks of
+    ``token_counts.group``, built on every rank from all ranks' ids and output gradients (rows no rank
+    saw stay zero)."""
 
     @staticmethod
-    def forward(ctx, ids, weight, padding_idx, group, world: int, state: dict):
+    def forward(ctx, ids, weight, padding_idx, token_counts: LargestTokenCount):
         ctx.save_for_backward(ids)
-        ctx.padding_idx, ctx.group, ctx.world, ctx.num_weights = padding_idx, group, world, weight.shape[0]
-        ctx.state = state
+        ctx.padding_idx, ctx.num_weights, ctx.token_counts = padding_idx, weight.shape[0], token_counts
         return F.embedding(ids, weight, padding_idx)
 
     @staticmethod
     def backward(ctx, grad_out):
         (ids,) = ctx.saved_tensors
-        ids_N, grad_NH = _gather_padded(
-            ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]), ctx.group, ctx.world, ctx.state
-        )  # fmt: skip
+        ids_N, grad_NH = _gather_padded(ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]), ctx.token_counts)
         padding_idx = -1 if ctx.padding_idx is None else ctx.padding_idx
         grad_weight = torch.ops.aten.embedding_dense_backward(grad_NH, ids_N, ctx.num_weights, padding_idx, False)
-        return None, grad_weight.div_(ctx.world), None, None, None, None
+        return None, grad_weight.div_(dist.get_world_size(ctx.token_counts.group)), None, None
 
 
-def _gather_padded(ids_N, grad_NH, group, world: int, state: dict):
-    """Every rank's ids and gradient rows, concatenated. Ranks with fewer tokens than the longest are
-    padded with id -1 (outside the vocabulary, skipped as a padding index would be: the rows add
-    nothing). Eager calls learn the counts first (one host sync); calls being captured in a CUDA
-    graph need equal counts (fixed-shape micro-batches) and skip that exchange; ``state`` remembers
-    whether the last eager call saw unequal counts, so that such a capture raises instead of hanging."""
+def _gather_padded(ids_N, grad_NH, token_counts: LargestTokenCount):
+    """Every rank's ids and gradient rows, concatenated. Ranks with fewer tokens than the longest
+    (eager calls only, ``token_counts``) are padded with zero rows of id 0: they add nothing."""
+    group, world = token_counts.group, dist.get_world_size(token_counts.group)
     num = ids_N.shape[0]
-    longest = num
-    if _capturing():
-        if state.get("uneven"):
-            raise ValueError(
-                "dense_parallel='replicate': the input embedding's backward is being captured in a CUDA graph with "
-                "different token counts on the ranks: pack or pad every micro-batch to one shape"
-            )
-    else:
-        counts = torch.tensor([num], device=ids_N.device if ids_N.is_cuda else "cpu")
-        gathered_counts = counts.new_empty(world)
-        dist.all_gather_into_tensor(gathered_counts, counts, group=group)
-        longest = int(gathered_counts.max())
-        state["uneven"] = bool((gathered_counts != num).any())
+    longest = token_counts(num)
     if longest > num:
-        ids_N = torch.cat([ids_N, ids_N.new_full((longest - num,), -1)])
+        ids_N = torch.cat([ids_N, ids_N.new_zeros(longest - num)])
         grad_NH = torch.cat([grad_NH, grad_NH.new_zeros(longest - num, grad_NH.shape[1])])
     all_ids = ids_N.new_empty(world * longest)
     all_grads = grad_NH.new_empty(world * longest, grad_NH.shape[1])
     dist.all_gather_into_tensor(all_ids, ids_N.contiguous(), group=group)
     dist.all_gather_into_tensor(all_grads, grad_NH.contiguous(), group=group)
-    if state.get("uneven"):  # padding rows: id 0 with a zero gradient row adds nothing
-        all_ids = torch.where(all_ids >= 0, all_ids, 0)
     return all_ids, all_grads
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 class _GatheredGradEmbedding:
     """Mixed into an ``nn.Embedding``'s class (FSDP2's pattern: the module and its state dict stay
     as they are): the forward's weight gradient comes averaged over the replicas."""
 
-    _gather_group: dist.ProcessGroup
-    _gather_state: dict
+    _token_counts: LargestTokenCount  # its group is the replicas'
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        group = self._gather_group
-        return _EmbeddingGatheredGrad.apply(
-            input, self.weight, self.padding_idx, group, dist.get_world_size(group), self._gather_state
-        )  # fmt: skip
+        return _EmbeddingGatheredGrad.apply(input, self.weight, self.padding_idx, self._token_counts)
 
 
 _gathered_classes: dict[type, type] = {}
@@ -183,8 +159,7 @@ def gather_embedding_gradients(embedding: nn.Module, *, group: dist.ProcessGroup
     if cls not in _gathered_classes:
         _gathered_classes[cls] = type(f"GatheredGrad{cls.__name__}", (_GatheredGradEmbedding, cls), {})
     embedding.__class__ = _gathered_classes[cls]
-    embedding._gather_group = group
-    embedding._gather_state = {"uneven": False}
+    embedding._token_counts = LargestTokenCount(group, what="dense_parallel='replicate' (the input embedding's gradient)")
     return True
 
 

@@ -62,11 +62,11 @@ if HAS_TRITON:
     @triton.jit
     def _gather_rows_kernel(
         x_ptr, order_ptr, w_ptr, y_ptr, out_ptr, dw_ptr, num_valid_ptr,
-        num_rows, num_cols, top_k, stride_x, stride_y, stride_out,
+        num_rows, num_cols, top_k, stride_x, stride_y, stride_out, weight_scale,
         HAS_WEIGHTS: tl.constexpr, COMPUTE_DOT: tl.constexpr, HAS_NUM_VALID: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
     ):  # fmt: skip
-        # BLOCK_R sorted rows n per program: out[n] = w[slot] * x[slot // K]; optionally
+        # BLOCK_R sorted rows n per program: out[n] = weight_scale * w[slot] * x[slot // K]; optionally
         # dw[slot] = <x[slot // K], y[n]>. Rows n >= num_valid are padding: out[n] is left unwritten
         # (never read) and dw[slot] = 0. Several rows per program keep more loads in flight than one.
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -78,7 +78,7 @@ if HAS_TRITON:
         token = slot // top_k
         scale = tl.full([BLOCK_R], 1.0, tl.float32)
         if HAS_WEIGHTS:
-            scale = tl.load(w_ptr + slot, mask=active, other=0.0).to(tl.float32)
+            scale = tl.load(w_ptr + slot, mask=active, other=0.0).to(tl.float32) * weight_scale
         cols = tl.arange(0, BLOCK_H)
         dot = tl.zeros([BLOCK_R], dtype=tl.float32)
         for h0 in range(0, num_cols, BLOCK_H):
@@ -126,10 +126,10 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _gather_rows_triton(
     x: torch.Tensor, order_N: torch.Tensor, top_k: int, *,
     weights: torch.Tensor | None = None, y_for_dot: torch.Tensor | None = None,
-    num_valid: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    num_valid: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, weights_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """out[n] = weights[order[n]] * x[order[n] // K]; with y_for_dot also dw[order[n]] = <x[...], y[n]>;
-    rows n >= num_valid are skipped (out undefined there, dw 0)."""
+    """out[n] = weights_scale * weights[order[n]] * x[order[n] // K]; with y_for_dot also
+    dw[order[n]] = <x[...], y[n]>; rows n >= num_valid are skipped (out undefined there, dw 0)."""
     x = _rows(x)
     num_rows, num_cols = order_N.numel(), x.shape[1]
     out = torch.empty((num_rows, num_cols), dtype=out_dtype or x.dtype, device=x.device)
@@ -144,7 +144,7 @@ def _gather_rows_triton(
         _gather_rows_kernel[(triton.cdiv(num_rows, block_r),)](
             x, order_N, weights if weights is not None else x, y, out, dw if dw is not None else out,
             num_valid if num_valid is not None else order_N,
-            num_rows, num_cols, top_k, x.stride(0), y.stride(0), out.stride(0),
+            num_rows, num_cols, top_k, x.stride(0), y.stride(0), out.stride(0), float(weights_scale),
             HAS_WEIGHTS=weights is not None, COMPUTE_DOT=y_for_dot is not None, HAS_NUM_VALID=num_valid is not None,
             BLOCK_R=block_r, BLOCK_H=block_h, num_warps=num_warps,
         )  # fmt: skip
@@ -173,12 +173,17 @@ def _sum_rows_triton(
     return out
 
 
-def _gather_rows_torch(x, order_N, top_k, *, weights=None, y_for_dot=None, num_valid=None, out_dtype=None):
+def _gather_rows_torch(x, order_N, top_k, *, weights=None, y_for_dot=None, num_valid=None, out_dtype=None,
+                       weights_scale=1.0):
     """The kernels' math in torch ops (lets CPU tests gradcheck the backward formulas); padding rows
     (n >= num_valid) are computed (allowed: undefined) but give dw 0."""
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
     rows = x.index_select(0, order_N // top_k).to(compute_dtype)
-    out = rows if weights is None else rows * weights.index_select(0, order_N).to(compute_dtype)[:, None]
+    if weights is not None:
+        rows_weights = weights.index_select(0, order_N).to(compute_dtype)
+        out = rows * (rows_weights if weights_scale == 1.0 else rows_weights * weights_scale)[:, None]
+    else:
+        out = rows
     dw = None
     if y_for_dot is not None:
         dots = (rows * y_for_dot.to(compute_dtype)).sum(-1)
@@ -254,14 +259,12 @@ def combine_rows_backward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``moe_combine``'s backward alone: (gradient of ``y_NH`` times ``rows_grad_scale``, gradient of
     ``weights_TK`` or None). ``dout_TH`` may be in any float dtype (the kernel computes in fp32);
-    the scale is folded into the weights the kernel multiplies by anyway (no pass over the rows)."""
+    the kernel multiplies the scale into the weights it applies anyway (no pass over the rows)."""
     gather = _gather_rows_triton if use_triton(impl, dout_TH, order_N) else _gather_rows_torch
-    weights_N = weights_TK.reshape(-1).contiguous()
-    if rows_grad_scale != 1.0:
-        weights_N = weights_N.float() * rows_grad_scale
     dy_NH, dw_N = gather(
-        dout_TH, order_N, weights_TK.shape[1], weights=weights_N, y_for_dot=y_NH if need_weights_grad else None,
-        num_valid=num_valid, out_dtype=y_NH.dtype,
+        dout_TH, order_N, weights_TK.shape[1], weights=weights_TK.reshape(-1).contiguous(),
+        y_for_dot=y_NH if need_weights_grad else None, num_valid=num_valid, out_dtype=y_NH.dtype,
+        weights_scale=rows_grad_scale,
     )  # fmt: skip
     return dy_NH, dw_N.view_as(weights_TK).to(weights_TK.dtype) if need_weights_grad else None
 

@@ -191,19 +191,7 @@ class CUDAGraphTrainStep:
                                  f"{'' if not isinstance(value, torch.Tensor) else ' on ' + str(value.device)}")  # fmt: skip
         self._static_batch = {key: value.clone() for key, value in batch.items()}
         self.optimizer.zero_grad(set_to_none=True)  # the captured backward then allocates and writes them
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                self._static_loss = self._eager_forward_backward(self._static_batch)
-        except RuntimeError as error:
-            raise RuntimeError(
-                "CUDA-graph step: capturing forward + backward failed; the step probably synchronises with "
-                "the host (expert parallelism's all-to-all split sizes or FSDP2: use ep_dispatch='allgather' "
-                "with dense_parallel='replicate'; the fp32 / loop experts path; .item() in a loss or hook). "
-                f"Train eagerly instead. Cause: {error}"
-            ) from error
-        self._forward_backward_graph = graph
+        self._forward_backward_graph, self._static_loss = self._capture()
         self._static_grads = [p.grad for p in self.params]
         if all(grad is None for grad in self._static_grads):
             raise RuntimeError("CUDA-graph step: the captured backward produced no gradient")
@@ -212,11 +200,8 @@ class CUDAGraphTrainStep:
         """The second graph: the same forward + backward, captured while the gradients exist, so its
         backward adds into them. Captured into the first graph's pool (replayed after it, always)."""
         self._restore_grads()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._forward_backward_graph.pool()):
-            self._static_accumulate_loss = self._eager_forward_backward(self._static_batch)
-        replaced = [name for name, (param, grad) in zip(self._param_names(), zip(self.params, self._static_grads))
+        graph, self._static_accumulate_loss = self._capture(pool=self._forward_backward_graph.pool())
+        replaced = [name for name, param, grad in zip(self._param_names(), self.params, self._static_grads)
                     if param.grad is not grad]  # fmt: skip
         if replaced:
             raise RuntimeError(
@@ -225,6 +210,22 @@ class CUDAGraphTrainStep:
                 "the first micro-batch); use one micro-batch per step or train eagerly"
             )
         self._accumulate_graph = graph
+
+    def _capture(self, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """(graph, static loss) of forward + backward on the static batch."""
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=pool):
+                loss = self._eager_forward_backward(self._static_batch)
+        except RuntimeError as error:
+            raise RuntimeError(
+                "CUDA-graph step: capturing forward + backward failed; the step probably synchronises with "
+                "the host (expert parallelism's all-to-all split sizes or FSDP2: use ep_dispatch='allgather' "
+                "with dense_parallel='replicate'; the fp32 / loop experts path; .item() in a loss or hook). "
+                f"Train eagerly instead. Cause: {error}"
+            ) from error
+        return graph, loss
 
     def _param_names(self) -> list[str]:
         names = {param: name for name, param in self.model.named_parameters()}
