@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--option", action="append", default=[], help="a moetune option, key=value (repeatable)")
     parser.add_argument("--routing", choices=["real", "balanced"], default="real")
     parser.add_argument("--cuda-graph", action="store_true")
+    parser.add_argument("--overlap-optimizer", action="store_true", help="with --cuda-graph: updates during backward")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("."))
@@ -104,7 +105,7 @@ def main() -> None:
     if args.cuda_graph:
         from moetune.training import CUDAGraphTrainStep
 
-        graphed = CUDAGraphTrainStep(model, opt, warmup_steps=2)
+        graphed = CUDAGraphTrainStep(model, opt, warmup_steps=2, overlap_optimizer=args.overlap_optimizer)
         step = lambda: graphed(input_ids=ids, labels=ids)  # noqa: E731
     else:
 

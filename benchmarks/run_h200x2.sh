@@ -17,7 +17,8 @@
 #                dispatcher, replicated non-expert parameters), Transformers + FSDP2 measured alongside
 #     rowBag     moetune alone, the same options, eager (what the graph saves)
 #     profileep  the graphed expert-parallel step's GPU timeline per rank (benchmarks/profile_ep.py:
-#                compute-busy, NCCL-busy and exposed NCCL time; traces under $OUT/profile_ep)
+#                compute-busy, NCCL-busy and exposed NCCL time; traces under $OUT/profile_ep;
+#                PROFILE_EXTRA=--overlap-optimizer, PROFILE_LABEL=-overlap for the variant)
 #     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/nccl_probe.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -78,7 +79,7 @@ if stage profileep; then
   echo "== graphed expert-parallel step, GPU timeline"
   timeout 150 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/profile_ep.py --layers "${LAYERS:-16}" \
     --option ep_dispatch=allgather --option dense_parallel=replicate --cuda-graph --out "$OUT/profile_ep" \
-    --label "$MOETUNE_COMMIT" 2>&1 | grep -vi warn | tail -12 || status=1
+    --label "$MOETUNE_COMMIT${PROFILE_LABEL:-}" ${PROFILE_EXTRA:-} 2>&1 | grep -vi warn | tail -12 || status=1
 fi
 
 if stage ncclprobe; then

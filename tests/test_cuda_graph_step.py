@@ -91,6 +91,36 @@ def test_gradient_accumulation_off_cuda_equals_the_eager_loop():
         step.optimizer_step()
 
 
+def test_overlapped_optimizer_equals_the_step_after_backward():
+    """overlap_optimizer (off CUDA: each update runs from its gradient hook, no stream) leaves the
+    parameters exactly where optimizer.step() after the backward does."""
+    model = _model("cpu", torch.float32)
+    reference = copy.deepcopy(model)
+    step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-2), overlap_optimizer=True)
+    batches = _batches(3, "cpu")
+    losses = [step(input_ids=ids, labels=ids).item() for ids in batches]
+    assert losses == _eager_losses(reference, AdamW(reference.parameters(), lr=1e-2), batches)
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    step.forward_backward(input_ids=batches[0], labels=batches[0])
+    with pytest.raises(RuntimeError, match="no gradient accumulation"):
+        step.forward_backward(input_ids=batches[0], labels=batches[0])
+
+
+def test_overlapped_optimizer_checks():
+    model = _model("cpu", torch.float32)
+    with pytest.raises(ValueError, match="cannot clip"):
+        CUDAGraphTrainStep(model, AdamW(model.parameters()), overlap_optimizer=True, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="needs moetune.optim.AdamW"):
+        CUDAGraphTrainStep(model, torch.optim.AdamW(model.parameters()), overlap_optimizer=True)
+    step = CUDAGraphTrainStep(model, AdamW(model.parameters()), overlap_optimizer=True)
+    step.close()  # removes the hooks: a plain backward updates nothing
+    before = [p.detach().clone() for p in model.parameters()]
+    ids = _batches(1, "cpu")[0]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
 def test_rejects_zero_warmup():
     model = _model("cpu", torch.float32)
     with pytest.raises(ValueError, match="warmup_steps must be >= 1"):
@@ -125,10 +155,22 @@ def test_graphed_steps_train_like_eager_steps():
         _check_graphed_steps_equal_eager_steps(_model("cuda", torch.bfloat16, aux_loss=False))
 
 
-def _check_graphed_steps_equal_eager_steps(model) -> None:
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_steps_with_the_optimizer_overlapped_train_like_eager_steps():
+    """overlap_optimizer: the updates run inside the forward + backward graph, on the update stream;
+    step by step the parameters equal the eager loop's (deterministic kernels)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        _check_graphed_steps_equal_eager_steps(_model("cuda", torch.bfloat16, aux_loss=False), overlap_optimizer=True)
+
+
+def _check_graphed_steps_equal_eager_steps(model, *, overlap_optimizer: bool = False) -> None:
     reference = copy.deepcopy(model)
-    max_grad_norm = 1.0
-    step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-3, capturable=True), max_grad_norm=max_grad_norm)
+    max_grad_norm = None if overlap_optimizer else 1.0
+    step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-3, capturable=True), max_grad_norm=max_grad_norm,
+                              overlap_optimizer=overlap_optimizer)  # fmt: skip
     ref_optimizer = AdamW(reference.parameters(), lr=1e-3, capturable=True)
     for i, ids in enumerate(_batches(5, "cuda")):
         loss = step.forward_backward(input_ids=ids, labels=ids)
@@ -138,7 +180,8 @@ def _check_graphed_steps_equal_eager_steps(model) -> None:
         for (name, a), b in zip(model.named_parameters(), reference.parameters()):
             assert rel_err(a.grad.float(), b.grad.float()) < 1e-3, f"gradient of {name} at step {i}"
         step.optimizer_step()
-        torch.nn.utils.clip_grad_norm_(list(reference.parameters()), max_grad_norm, foreach=True)
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(list(reference.parameters()), max_grad_norm, foreach=True)
         ref_optimizer.step()
         ref_optimizer.zero_grad(set_to_none=True)
         for (name, a), b in zip(model.named_parameters(), reference.parameters()):

@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="moetune side replays each step from CUDA graphs (moetune.training.CUDAGraphTrainStep, capturable "
         "optimizer; on several GPUs with ep_dispatch=allgather and dense_parallel=replicate)",
     )
+    p.add_argument(
+        "--moetune-overlap-optimizer", action="store_true",
+        help="with --moetune-cuda-graph and --moetune-optimizer moetune: each parameter's AdamW update runs during "
+        "the backward on a low-priority stream, as soon as its gradient is final (same update, no clipping)",
+    )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
         "--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path"
@@ -129,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
             "--moetune-option ep_dispatch=allgather --moetune-option dense_parallel=replicate "
             "(the all-to-all dispatcher and FSDP2 synchronise with the host)"
         )
+    if args.moetune_overlap_optimizer and not (args.moetune_cuda_graph and args.moetune_optimizer == "moetune"):
+        teardown(env)
+        raise SystemExit("--moetune-overlap-optimizer needs --moetune-cuda-graph and --moetune-optimizer moetune")
     if args.moetune_cuda_graph and args.moetune_optimizer == "moetune-in-backward":
         teardown(env)
         raise SystemExit("--moetune-cuda-graph cannot capture --moetune-optimizer moetune-in-backward")
@@ -202,6 +210,7 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "optimizer": _optimizer_name(env.device),
             "moetune_optimizer": args.moetune_optimizer,
             "moetune_cuda_graph": args.moetune_cuda_graph,
+            "moetune_overlap_optimizer": args.moetune_overlap_optimizer,
             "moetune_options": _moetune_options(args),
         },
         "model_config": config.to_dict(),
@@ -333,6 +342,7 @@ def _bench_side(
         bench, rows, env=env, flops_per_token={args.seq_len: data["flops_per_token"]},
         peak_tflops=data["matmul_peak_tflops"], warmup=args.warmup, steps=args.steps, seed=args.seed, lr=args.lr,
         on_result=on_result, moetune_optimizer=args.moetune_optimizer, moetune_cuda_graph=args.moetune_cuda_graph,
+        moetune_overlap_optimizer=args.moetune_overlap_optimizer,
     )
     del bench
     _free(env)

@@ -49,7 +49,7 @@ class ReplicatedGradientSync:
         self.world = dist.get_world_size(group)
         # gloo has no AVG reduction: sum, then divide once the reduction is done.
         self.average_in_collective = "nccl" in str(dist.get_backend(group)).lower()
-        self._pending: list[tuple[torch.Tensor, dist.Work]] = []
+        self._pending: list[tuple[nn.Parameter, torch.Tensor, dist.Work]] = []
         self.enabled = True
         """False inside ``no_gradient_sync``: gradients accumulate locally, unreduced."""
         self._handles = [p.register_post_accumulate_grad_hook(self._reduce) for p in self.params]
@@ -67,17 +67,35 @@ class ReplicatedGradientSync:
         # An expert's DTensor gradient (replicated over the ranks holding the same experts): its local
         # tensor, in place.
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        self._pending.append((grad, dist.all_reduce(grad, op=op, group=self.group, async_op=True)))
+        self._pending.append((param, grad, dist.all_reduce(grad, op=op, group=self.group, async_op=True)))
         # Queued by every hook (the later calls find nothing left to wait for): no state that a
         # backward interrupted by an exception could leave stale for the next one.
         torch.autograd.Variable._execution_engine.queue_callback(self._wait_all)
 
+    def wait_for(self, param: nn.Parameter) -> bool:
+        """Make the current stream wait for ``param``'s all-reduce of this backward (averaged once this
+        returns); False if this sync did not issue one. For work that needs one reduced gradient before
+        the backward ends (``CUDAGraphTrainStep(overlap_optimizer=True)`` updates each parameter then)."""
+        for index, (pending_param, grad, work) in enumerate(self._pending):
+            if pending_param is param:
+                del self._pending[index]
+                self._finish(grad, work)
+                return True
+        return False
+
+    def reduces(self, param: nn.Parameter) -> bool:
+        """Whether ``param``'s gradient is averaged by this sync (in the backwards it is enabled for)."""
+        return any(p is param for p in self.params)
+
     def _wait_all(self) -> None:
         pending, self._pending = self._pending, []
-        for grad, work in pending:
-            work.wait()
-            if not self.average_in_collective:
-                grad.div_(self.world)
+        for _param, grad, work in pending:
+            self._finish(grad, work)
+
+    def _finish(self, grad: torch.Tensor, work: dist.Work) -> None:
+        work.wait()
+        if not self.average_in_collective:
+            grad.div_(self.world)
 
 
 @contextlib.contextmanager

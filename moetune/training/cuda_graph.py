@@ -36,9 +36,13 @@ parameter memory from the host); gradient clipping then goes through
 replays when the rate is a device tensor updated in place (torch's schedulers do that; see
 ``set_learning_rate``). Off CUDA the object runs the same steps eagerly.
 
-Not done: updating each parameter during the captured backward on a side stream (optimizer in
-backward). Measured on an H200 (8 layers of Qwen3-30B-A3B) it saved nothing: the backward's
-GEMMs occupy every SM, so the memory-bound updates run after them anyway (benchmarks/README.md).
+``overlap_optimizer=True`` (moetune's AdamW, no clipping, one micro-batch per step) updates each
+parameter as soon as its gradient is final, inside the forward + backward graph, on a side stream
+of low priority (the graph's own stream gets the high one): the memory-bound updates fill the time
+the backward waits for expert-parallel collectives, and the optimizer graph only updates what the
+backward did not. A replicated parameter's update waits for its own all-reduce
+(``ReplicatedGradientSync.wait_for``), on the side stream. On one GPU (no waits to fill) it
+measured no faster (the backward's GEMMs occupy every SM; benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -77,9 +81,12 @@ class CUDAGraphTrainStep:
         warmup_steps: int = 2,
         max_grad_norm: float | None = None,
         loss_fn: LossFn = default_loss,
+        overlap_optimizer: bool = False,
     ) -> None:
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
+        if overlap_optimizer:
+            _check_overlappable(model, optimizer, max_grad_norm)
         self.model = model
         self.optimizer = optimizer
         self.warmup_steps = warmup_steps
@@ -99,10 +106,23 @@ class CUDAGraphTrainStep:
         self._accumulate_graph: torch.cuda.CUDAGraph | None = None
         self._accumulated = 0  # micro-batches since the last optimizer step
         self._optimizer_graph: torch.cuda.CUDAGraph | None = None
-        self._side_stream = torch.cuda.Stream() if self.use_graphs else None
+        self.overlap_optimizer = overlap_optimizer
+        # The step's own stream; with overlapped updates it has the high priority, so that the
+        # backward's kernels get the SMs first and the updates take what is left.
+        self._side_stream = torch.cuda.Stream(priority=-1 if overlap_optimizer else 0) if self.use_graphs else None
+        self._update_stream = torch.cuda.Stream() if self.use_graphs and overlap_optimizer else None
+        self._syncs = list(getattr(model, "replicated_gradient_syncs", ()))
+        self._updated: set[torch.Tensor] = set()  # parameters updated by this backward's hooks
+        self._hooks = (
+            [p.register_post_accumulate_grad_hook(self._update_now) for p in self.params if p.requires_grad]
+            if overlap_optimizer else []
+        )  # fmt: skip
 
     def close(self) -> None:
-        """Drop the graphs and their static tensors (the model trains eagerly again)."""
+        """Drop the graphs, their static tensors and the update hooks (the model trains eagerly again)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
         self._forward_backward_graph = self._accumulate_graph = self._optimizer_graph = None
         self._static_batch = self._static_loss = self._static_accumulate_loss = None
         self._accumulated = 0
@@ -122,6 +142,11 @@ class CUDAGraphTrainStep:
         """Forward and backward of one micro-batch; its gradients are added to those of the earlier
         micro-batches since the last ``optimizer_step``. Returns the loss (detached)."""
         accumulate = self._accumulated > 0
+        if accumulate and self.overlap_optimizer:
+            raise RuntimeError(
+                "CUDA-graph step: overlap_optimizer updates the parameters during the backward, so each "
+                "optimizer_step() takes one forward_backward() (no gradient accumulation)"
+            )
         self._accumulated += 1
         if not self.use_graphs or self._eager_steps < self.warmup_steps:
             return self._eager(lambda: self._eager_forward_backward(batch))
@@ -166,13 +191,50 @@ class CUDAGraphTrainStep:
     def _eager_forward_backward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         loss = self.loss_fn(self.model, batch)
         loss.backward()
+        if self._update_stream is not None:  # the updates launched by the gradient hooks
+            torch.cuda.current_stream().wait_stream(self._update_stream)
         return loss.detach()
+
+    def _update_now(self, param: torch.Tensor) -> None:
+        """Gradient hook of ``overlap_optimizer``: this parameter's AdamW step (after its all-reduce
+        when it is replicated), on the update stream."""
+        if param in self._updated:
+            raise RuntimeError(
+                f"CUDA-graph step: overlap_optimizer got a second gradient for a {tuple(param.shape)} parameter in "
+                "one backward (reentrant activation checkpointing, or a parameter used in two backwards): turn "
+                "overlap_optimizer off"
+            )
+        self._updated.add(param)
+        if self._update_stream is None:
+            self._step_after_reduction(param)
+            return
+        self._update_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._update_stream):
+            self._step_after_reduction(param)
+
+    def _step_after_reduction(self, param: torch.Tensor) -> None:
+        for sync in self._syncs:
+            if sync.reduces(param):
+                if not sync.enabled:
+                    raise RuntimeError("CUDA-graph step: overlap_optimizer cannot run inside model.no_sync()")
+                if not sync.wait_for(param):
+                    raise RuntimeError(
+                        "CUDA-graph step: a replicated parameter's gradient was not all-reduced before its overlapped "
+                        "update (build the CUDAGraphTrainStep after parallelising the model)"
+                    )
+        self.optimizer.step_parameter(param)
 
     def _eager_optimizer_step(self) -> None:
         self._clip_and_step()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _clip_and_step(self) -> None:
+        if self.overlap_optimizer:  # the backward's hooks updated the others
+            for param in self.params:
+                if param.grad is not None and param not in self._updated:
+                    self.optimizer.step_parameter(param)
+            self._updated.clear()
+            return
         if self.max_grad_norm is not None:
             if self._sharded:  # expert-parallel / FSDP2 DTensors on different meshes: moetune's clipping
                 from moetune.distributed import clip_grad_norm_
@@ -216,7 +278,7 @@ class CUDAGraphTrainStep:
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=self._side_stream if self.overlap_optimizer else None):
                 loss = self._eager_forward_backward(self._static_batch)
         except RuntimeError as error:
             raise RuntimeError(
@@ -254,4 +316,21 @@ def _check_capturable(optimizer: torch.optim.Optimizer) -> None:
         raise ValueError(
             f"CUDA-graph step: the optimizer ({type(optimizer).__name__}) must be capturable: use "
             "moetune.optim.AdamW(..., capturable=True) or torch.optim.AdamW(..., capturable=True)"
+        )
+
+
+def _check_overlappable(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> None:
+    if max_grad_norm is not None:
+        raise ValueError(
+            "CUDA-graph step: overlap_optimizer updates parameters during the backward, so it cannot clip by the "
+            "global gradient norm (set max_grad_norm=None)"
+        )
+    if not hasattr(optimizer, "step_parameter"):
+        raise ValueError(
+            f"CUDA-graph step: overlap_optimizer needs moetune.optim.AdamW (per-parameter steps), got {type(optimizer).__name__}"
+        )
+    if any(type(module).__name__.startswith("FSDP") for module in model.modules()):
+        raise ValueError(
+            "CUDA-graph step: overlap_optimizer cannot update FSDP2-sharded parameters during the backward (their "
+            "gradients are reduce-scattered after it); use dense_parallel='replicate'"
         )

@@ -613,6 +613,7 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
     distributed_loss(model, 1, rank, world_size, 64).backward()
     _compare_grads(model, ref, what="allgather + replicate, no_sync() then a synchronised backward")
     uneven_sequences_replicated(rank, world_size, folder)
+    overlapped_optimizer_replicated(rank, world_size, folder)
     # torch's multi-tensor AdamW cannot take plain and DTensor parameters in one list: a clear error.
     import pytest
 
@@ -633,6 +634,35 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
             copies = [torch.empty_like(param.data) for _ in range(world_size)]
             dist.all_gather(copies, param.data.contiguous())
             assert all(torch.equal(c, copies[0]) for c in copies), f"{name} differs between ranks after from_config"
+
+
+def overlapped_optimizer_replicated(rank: int, world_size: int, folder: str) -> None:
+    """``CUDAGraphTrainStep(overlap_optimizer=True)`` (off CUDA: the updates run from the gradient
+    hooks) on a replicated expert-parallel model: each replicated parameter is updated from its
+    averaged gradient (the hook waits for its all-reduce), the experts from theirs; the parameters
+    equal the plain loop's (backward, then AdamW) exactly, step after step."""
+    import pytest
+
+    from moetune.optim import AdamW
+    from moetune.training import CUDAGraphTrainStep
+
+    model, plain = (_load(folder, ep_size=world_size, **ALLGATHER_REPLICATE) for _ in range(2))
+    step = CUDAGraphTrainStep(
+        model, AdamW(model.parameters(), lr=ADAM_LR, eps=ADAM_EPS), overlap_optimizer=True,
+        loss_fn=lambda m, batch: distributed_loss(m, int(batch["step"]), rank, world_size, 64),
+    )  # fmt: skip
+    plain_optimizer = AdamW(plain.parameters(), lr=ADAM_LR, eps=ADAM_EPS)
+    for i in range(3):
+        loss = step(step=torch.tensor(i))
+        plain_loss = distributed_loss(plain, i, rank, world_size, 64)
+        plain_loss.backward()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+        assert loss.item() == plain_loss.item(), f"overlapped AdamW, step {i}: loss {loss.item()} vs {plain_loss.item()}"
+        for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+            assert torch.equal(gathered(a.data), gathered(b.data)), f"overlapped AdamW, step {i}: {name} differs"
+    with model.no_sync(), pytest.raises(RuntimeError, match="cannot run inside model.no_sync"):
+        step(step=torch.tensor(3))
 
 
 def uneven_sequences_replicated(rank: int, world_size: int, folder: str) -> None:
