@@ -50,6 +50,7 @@ def parse_args() -> argparse.Namespace:
         help="also check that CUDA-graph replays of the step (moetune.training.CUDAGraphTrainStep) give the eager "
         "step's loss and gradients, and time the replays (needs --ep-dispatch allgather --dense-parallel replicate)",
     )
+    parser.add_argument("--overlap-optimizer", action="store_true", help="with --cuda-graph: updates during backward")
     parser.add_argument("--checkpoint", default=None, help="a Qwen3-MoE folder; default: a random one in /tmp")
     return parser.parse_args()
 
@@ -213,7 +214,7 @@ def check_graph_replays(model, args, vocab, device, rank):
 
     model.zero_grad(set_to_none=True)
     optimizer = AdamW(model.parameters(), lr=0.0, capturable=True)
-    step = CUDAGraphTrainStep(model, optimizer, warmup_steps=1)
+    step = CUDAGraphTrainStep(model, optimizer, warmup_steps=1, overlap_optimizer=args.overlap_optimizer)
     ids, labels = micro_batch(50, rank, args, vocab, device)
     worst = 0.0
     eager_loss = step.forward_backward(input_ids=ids, labels=labels)

@@ -12,7 +12,8 @@
 #     onegpu16l  moetune alone on GPU 0 at 16 layers, eager and graphed (the 90% reference;
 #                ONEGPU_MODES=graph: graphed only)
 #     paritygraph  EP bf16 parity with ep_dispatch=allgather + dense_parallel=replicate, and CUDA-graph
-#                replays of that step equal to its eager step (benchmarks/ep_parity.py --cuda-graph)
+#                replays of that step equal to its eager step (benchmarks/ep_parity.py --cuda-graph;
+#                PARITY_EXTRA=--overlap-optimizer: with the updates during the backward)
 #     rowBgraph  rows B and C with moetune's expert-parallel step captured in CUDA graphs (all-gather
 #                dispatcher, replicated non-expert parameters), Transformers + FSDP2 measured alongside
 #     rowBag     moetune alone, the same options, eager (what the graph saves)
@@ -62,7 +63,7 @@ GRAPHABLE_EP=(--moetune-option ep_dispatch=allgather --moetune-option dense_para
 if stage paritygraph; then
   echo "== EP parity, all-gather dispatcher + replicated dense parameters, CUDA-graph replays"
   timeout 200 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/ep_parity.py --ep-dispatch allgather \
-    --dense-parallel replicate --cuda-graph 2>&1 | grep -E "RESULT|graph replay|Error|error" || status=1
+    --dense-parallel replicate --cuda-graph ${PARITY_EXTRA:-} 2>&1 | grep -E "RESULT|graph replay|Error|error" || status=1
 fi
 
 if stage rowBgraph; then
