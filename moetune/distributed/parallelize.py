@@ -145,18 +145,46 @@ def replicate_dense_parameters(model: nn.Module, mesh: ParallelMesh) -> list[Rep
     # collectives in issue order, so the experts' all-gather waited behind the LM head's 622 MB
     # gradient all-reduce (2 ms with the compute stream idle, on 2 H200s: benchmarks/profile_ep.py).
     group = dist.new_group(ranks=list(range(mesh.world_size)), group_desc="moetune_replicated_grads")
-    embedding = model.get_input_embeddings()
-    output = model.get_output_embeddings()
-    tied = output is not None and output.weight is embedding.weight
-    if not tied and gather_embedding_gradients(embedding, group=group):  # averaged in its own backward
-        dense = [p for p in dense if p is not embedding.weight]
-    syncs = [ReplicatedGradientSync(dense, group=group)]
+    syncs = [_dense_gradient_sync(model, group)]
     if mesh.world_size > mesh.ep_size:
         experts = [p for p in model.parameters() if isinstance(p, DTensor)]
         replicas = mesh.dp_shard_mod_ep.get_group()
         broadcast_parameters(experts, group=replicas)
         syncs.append(ReplicatedGradientSync(experts, group=replicas))
     return syncs
+
+
+def _dense_gradient_sync(model: nn.Module, group: dist.ProcessGroup) -> ReplicatedGradientSync:
+    """The all-reduce of every non-expert gradient but the input embedding's, which is built averaged
+    from the gathered tokens where it can be (``gather_embedding_gradients``)."""
+    dense = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    embedding = model.get_input_embeddings()
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding.weight
+    if not tied and gather_embedding_gradients(embedding, group=group):  # averaged in its own backward
+        dense = [p for p in dense if p is not embedding.weight]
+    return ReplicatedGradientSync(dense, group=group)
+
+
+def resize_token_embeddings_replicated(model: nn.Module, resize, *args, **kwargs):
+    """``model.resize_token_embeddings`` of a ``dense_parallel='replicate'`` model: Transformers' resize,
+    then the new rows made equal on every rank (they are drawn at random on each) and the gradients of
+    the new LM head (a new module) averaged like the old one's."""
+    result = resize(*args, **kwargs)
+    syncs = model.replicated_gradient_syncs
+    group = syncs[0].group
+    resized = [module.weight for module in (model.get_input_embeddings(), model.get_output_embeddings()) if module is not None]
+    broadcast_parameters(list({id(p): p for p in resized}.values()), group=group)
+    syncs[0].remove()
+    syncs[0] = _dense_gradient_sync(model, group)  # the same list: model.no_sync holds it
+    return result
+
+
+def _refuse_resize(*_args, **_kwargs):
+    raise ValueError(
+        "resize_token_embeddings on an FSDP2-sharded model: resize the vocabulary before sharding (load without "
+        "ep_size / device_mesh, resize, save, load again with them) or use dense_parallel='replicate'"
+    )
 
 
 def _refuse_ddp(model: nn.Module) -> None:
@@ -313,6 +341,9 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         # DDP's name, which accelerate (Transformers' Trainer) and the recipe call for all but the last
         # micro-batch of a step.
         model.no_sync = partial(no_gradient_sync, model.replicated_gradient_syncs)
+        model.resize_token_embeddings = partial(resize_token_embeddings_replicated, model, model.resize_token_embeddings)
+    elif config.dense_parallel == "fsdp":
+        model.resize_token_embeddings = _refuse_resize
     model.parallel_mesh = mesh
     return model
 

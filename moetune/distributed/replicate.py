@@ -169,6 +169,8 @@ def gather_embedding_gradients(embedding: nn.Module, *, group: dist.ProcessGroup
     """Make ``embedding`` (a plain, trainable ``nn.Embedding``) produce its weight gradient already
     averaged over ``group`` from the gathered tokens; returns False (nothing changed) for any other
     module, which then needs the all-reduce."""
+    if isinstance(embedding, _GatheredGradEmbedding):  # already (a resize keeps the module)
+        return embedding.weight.requires_grad
     plain = type(embedding).forward is nn.Embedding.forward and isinstance(embedding, nn.Embedding)
     if not plain or not embedding.weight.requires_grad or embedding.max_norm is not None or embedding.sparse \
             or embedding.scale_grad_by_freq:  # fmt: skip

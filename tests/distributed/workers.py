@@ -541,6 +541,9 @@ def bad_inputs(rank: int, world_size: int, folder: str) -> None:
         fully_shard(model)  # FSDP2 refuses to shard a module twice
     with pytest.raises(ValueError, match="already sharded by moetune"):
         torch.nn.parallel.DistributedDataParallel(model)
+    # Transformers' resize fails deep inside DTensor on FSDP2-sharded embeddings: a clear error instead.
+    with pytest.raises(ValueError, match="resize the vocabulary before sharding"):
+        model.resize_token_embeddings(72)
 
 
 def generate_parity(rank: int, world_size: int, folder: str) -> None:
@@ -614,6 +617,7 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
     _compare_grads(model, ref, what="allgather + replicate, no_sync() then a synchronised backward")
     uneven_sequences_replicated(rank, world_size, folder)
     overlapped_optimizer_replicated(rank, world_size, folder)
+    resized_vocabulary_replicated(rank, world_size, folder)
     # torch's multi-tensor AdamW cannot take plain and DTensor parameters in one list: a clear error.
     import pytest
 
@@ -663,6 +667,30 @@ def overlapped_optimizer_replicated(rank: int, world_size: int, folder: str) -> 
             assert torch.equal(gathered(a.data), gathered(b.data)), f"overlapped AdamW, step {i}: {name} differs"
     with model.no_sync(), pytest.raises(RuntimeError, match="cannot run inside model.no_sync"):
         step(step=torch.tensor(3))
+
+
+def resized_vocabulary_replicated(rank: int, world_size: int, folder: str) -> None:
+    """``resize_token_embeddings`` after a replicated expert-parallel load (a tokenizer with added
+    tokens): the new rows are equal on every rank, and one step's gradients (the new LM head's, whose
+    module Transformers replaces, and the gathered input embedding's) equal one process's on the same
+    resized weights."""
+    vocab = 64
+    torch.manual_seed(rank)  # the new rows are drawn at random: differently on every rank
+    model, ref = _load(folder, ep_size=world_size, **ALLGATHER_REPLICATE), _load(folder)
+    model.resize_token_embeddings(vocab + 8)
+    ref.resize_token_embeddings(vocab + 8)
+    for module, ref_module in ((model.get_input_embeddings(), ref.get_input_embeddings()),
+                               (model.get_output_embeddings(), ref.get_output_embeddings())):  # fmt: skip
+        copies = [torch.empty_like(module.weight) for _ in range(world_size)]
+        dist.all_gather(copies, module.weight.detach().contiguous())
+        assert all(torch.equal(c, copies[0]) for c in copies), f"resized {type(module).__name__} differs between ranks"
+        ref_module.weight.data.copy_(module.weight.data)
+    head, embedding = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    dense_sync = model.replicated_gradient_syncs[0]
+    assert dense_sync.reduces(head) and not dense_sync.reduces(embedding), "the resized weights' gradient sync"
+    distributed_loss(model, 0, rank, world_size, vocab + 8).backward()
+    reference_loss(ref, 0, world_size, vocab + 8).backward()
+    _compare_grads(model, ref, what="replicate, after resize_token_embeddings")
 
 
 def uneven_sequences_replicated(rank: int, world_size: int, folder: str) -> None:
