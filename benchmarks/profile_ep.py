@@ -66,13 +66,25 @@ def timeline(trace_path: Path, steps: int) -> dict:
         key = e["name"][:70]
         by_name[key] = by_name.get(key, 0.0) + e["dur"]
     per_step = lambda us: round(us / steps / 1e3, 3)  # noqa: E731
+    # Per collective kind: busy, exposed (no compute kernel running) and alone (no compute and no
+    # other collective kind running: time nothing else explains).
+    kinds: dict[str, list[tuple[float, float]]] = {}
+    for e in kernels:
+        if is_comm(e):
+            kinds.setdefault(e["name"].split("(")[0].removeprefix("ncclDevKernel_"), []).append((e["ts"], e["ts"] + e["dur"]))
+    by_kind = {}
+    for kind, intervals in kinds.items():
+        mine = interval_union(intervals)
+        others = interval_union(compute + [i for k, v in kinds.items() if k != kind for i in v])
+        by_kind[kind] = {"calls": len(intervals) / steps, "busy_ms": per_step(total(mine)),
+                         "exposed_ms": per_step(minus(mine, compute)), "alone_ms": per_step(minus(mine, others))}  # fmt: skip
     return {
         "span_ms": per_step(span),
         "compute_busy_ms": per_step(total(compute)),
         "nccl_busy_ms": per_step(total(comm)),
         "nccl_exposed_ms": per_step(minus(comm, compute)),
         "idle_ms": per_step(span - total(busy)),
-        "streams": sorted({e.get("args", {}).get("stream") for e in kernels if is_comm(e)}),
+        "nccl_by_kind": by_kind,
         "top_kernels_ms": {k: per_step(v) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:40]},
     }
 
