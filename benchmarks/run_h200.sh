@@ -13,7 +13,8 @@
 # STAGES picks stages (default: versions parity rowA strict 16l rowD); the others:
 #   gputests  the GPU-marked tests of the CUDA-graph step, optimizer, loss kernel, kernels, gathered
 #             experts and the DeepSeek-V3 / GPT-OSS / Nemotron-H bf16 parity
-#   graph     row A with moetune's step replayed from CUDA graphs (--moetune-cuda-graph)
+#   graph     row A with moetune's step replayed from CUDA graphs, updates during the backward
+#             (--moetune-cuda-graph --moetune-overlap-optimizer)
 #   graphtriton  moetune alone, graphed, with experts_backend=triton (Triton row GEMMs)
 #   graph16l  moetune alone at 16 layers, eager and graphed (the one-GPU reference of row B)
 #   profile   benchmarks/profile_step.py: kernels and GPU idle time of one step, eager and graphed
@@ -85,7 +86,8 @@ fi
 
 if stage graph; then
   echo "== row A, moetune's step replayed from CUDA graphs (Transformers side measured in the same run)"
-  bench 150 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --moetune-optimizer moetune --moetune-cuda-graph
+  bench 150 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --moetune-optimizer moetune --moetune-cuda-graph \
+    --moetune-overlap-optimizer
 fi
 
 if stage graphtriton; then
@@ -107,7 +109,7 @@ fi
 if stage graph16l; then
   echo "== moetune alone, 16 layers, graphed (one-GPU reference for row B)"
   bench 90 --layers 16 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune \
-    --moetune-cuda-graph
+    --moetune-cuda-graph --moetune-overlap-optimizer
 fi
 
 if stage rowD; then

@@ -13,13 +13,14 @@
 #                ONEGPU_MODES=graph: graphed only)
 #     paritygraph  EP bf16 parity with ep_dispatch=allgather + dense_parallel=replicate, and CUDA-graph
 #                replays of that step equal to its eager step (benchmarks/ep_parity.py --cuda-graph;
-#                PARITY_EXTRA=--overlap-optimizer: with the updates during the backward)
+#                with the updates during the backward; PARITY_EXTRA= (empty): without)
 #     rowBgraph  rows B and C with moetune's expert-parallel step captured in CUDA graphs (all-gather
-#                dispatcher, replicated non-expert parameters), Transformers + FSDP2 measured alongside
+#                dispatcher, replicated non-expert parameters, updates during the backward),
+#                Transformers + FSDP2 measured alongside
 #     rowBag     moetune alone, the same options, eager (what the graph saves)
 #     profileep  the graphed expert-parallel step's GPU timeline per rank (benchmarks/profile_ep.py:
 #                compute-busy, NCCL-busy and exposed NCCL time; traces under $OUT/profile_ep;
-#                PROFILE_EXTRA=--overlap-optimizer, PROFILE_LABEL=-overlap for the variant)
+#                with the updates during the backward; PROFILE_EXTRA, PROFILE_LABEL for variants)
 #     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/nccl_probe.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,12 +64,12 @@ GRAPHABLE_EP=(--moetune-option ep_dispatch=allgather --moetune-option dense_para
 if stage paritygraph; then
   echo "== EP parity, all-gather dispatcher + replicated dense parameters, CUDA-graph replays"
   timeout 200 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/ep_parity.py --ep-dispatch allgather \
-    --dense-parallel replicate --cuda-graph ${PARITY_EXTRA:-} 2>&1 | grep -E "RESULT|graph replay|Error|error" || status=1
+    --dense-parallel replicate --cuda-graph ${PARITY_EXTRA---overlap-optimizer} 2>&1 | grep -E "RESULT|graph replay|Error|error" || status=1
 fi
 
 if stage rowBgraph; then
   echo "== rows B, C: ${NPROC} GPUs, ${LAYERS:-16} layers, moetune's EP step replayed from CUDA graphs"
-  bench2 360 --routing both --moetune-cuda-graph "${GRAPHABLE_EP[@]}"
+  bench2 360 --routing both --moetune-cuda-graph --moetune-overlap-optimizer "${GRAPHABLE_EP[@]}"
 fi
 
 if stage rowBag; then
@@ -79,7 +80,7 @@ fi
 if stage profileep; then
   echo "== graphed expert-parallel step, GPU timeline"
   timeout 150 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/profile_ep.py --layers "${LAYERS:-16}" \
-    --option ep_dispatch=allgather --option dense_parallel=replicate --cuda-graph --out "$OUT/profile_ep" \
+    --option ep_dispatch=allgather --option dense_parallel=replicate --cuda-graph --overlap-optimizer --out "$OUT/profile_ep" \
     --label "$MOETUNE_COMMIT${PROFILE_LABEL:-}" ${PROFILE_EXTRA:-} 2>&1 | grep -vi warn | tail -12 || status=1
 fi
 
@@ -100,7 +101,7 @@ fi
 if stage onegpu16l; then
   echo "== moetune alone on one GPU, ${LAYERS:-16} layers, eager then graphed"
   for mode in ${ONEGPU_MODES:-eager graph}; do
-    graph=""; [[ "$mode" == graph ]] && graph=--moetune-cuda-graph
+    graph=""; [[ "$mode" == graph ]] && graph="--moetune-cuda-graph --moetune-overlap-optimizer"
     # shellcheck disable=SC2086
     CUDA_VISIBLE_DEVICES=0 timeout 150 python -m moetune.bench --out "$OUT" --layers "${LAYERS:-16}" --seq-len 4096 \
       --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune $graph ${EXTRA:-} || status=1
