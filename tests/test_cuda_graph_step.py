@@ -114,11 +114,15 @@ def test_overlapped_optimizer_checks():
     with pytest.raises(ValueError, match="needs moetune.optim.AdamW"):
         CUDAGraphTrainStep(model, torch.optim.AdamW(model.parameters()), overlap_optimizer=True)
     step = CUDAGraphTrainStep(model, AdamW(model.parameters()), overlap_optimizer=True)
-    step.close()  # removes the hooks: a plain backward updates nothing
     before = [p.detach().clone() for p in model.parameters()]
     ids = _batches(1, "cpu")[0]
-    model(input_ids=ids, labels=ids).loss.backward()
+    for _ in range(2):  # backwards outside the step object's calls update nothing (and do not raise)
+        model(input_ids=ids, labels=ids).loss.backward()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    model.zero_grad(set_to_none=True)
+    step(input_ids=ids, labels=ids)
+    assert not any(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+    step.close()  # removes the hooks
 
 
 def test_rejects_zero_warmup():

@@ -113,6 +113,7 @@ class CUDAGraphTrainStep:
         self._update_stream = torch.cuda.Stream() if self.use_graphs and overlap_optimizer else None
         self._syncs = list(getattr(model, "replicated_gradient_syncs", ()))
         self._updated: set[torch.Tensor] = set()  # parameters updated by this backward's hooks
+        self._in_step = False  # the hooks act only in this object's backwards, not in other code's
         self._hooks = (
             [p.register_post_accumulate_grad_hook(self._update_now) for p in self.params if p.requires_grad]
             if overlap_optimizer else []
@@ -190,7 +191,11 @@ class CUDAGraphTrainStep:
 
     def _eager_forward_backward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         loss = self.loss_fn(self.model, batch)
-        loss.backward()
+        self._in_step = True
+        try:
+            loss.backward()
+        finally:
+            self._in_step = False
         if self._update_stream is not None:  # the updates launched by the gradient hooks
             torch.cuda.current_stream().wait_stream(self._update_stream)
         return loss.detach()
@@ -198,6 +203,8 @@ class CUDAGraphTrainStep:
     def _update_now(self, param: torch.Tensor) -> None:
         """Gradient hook of ``overlap_optimizer``: this parameter's AdamW step (after its all-reduce
         when it is replicated), on the update stream."""
+        if not self._in_step:  # a backward of other code (evaluation, a check): no update
+            return
         if param in self._updated:
             raise RuntimeError(
                 f"CUDA-graph step: overlap_optimizer got a second gradient for a {tuple(param.shape)} parameter in "
