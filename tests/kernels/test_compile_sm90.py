@@ -81,8 +81,9 @@ class _CompileOnly:
 
 @pytest.fixture
 def compile_only(monkeypatch):
-    for name in ("rms_norm", "swiglu", "rope", "permute", "qk_norm_rope", "router", "grouped_gemm"):
-        module = importlib.import_module(f"moetune.kernels.{name}")
+    for name in ("kernels.rms_norm", "kernels.swiglu", "kernels.rope", "kernels.permute", "kernels.qk_norm_rope",
+                 "kernels.router", "kernels.grouped_gemm", "optim.adamw"):  # fmt: skip
+        module = importlib.import_module(f"moetune.{name}")
         for attr, obj in list(vars(module).items()):
             if isinstance(obj, JITFunction) and attr.endswith("_kernel"):  # launched kernels, not jit helpers
                 monkeypatch.setattr(module, attr, _CompileOnly(obj))
@@ -171,3 +172,15 @@ def test_grouped_gemm_compiles_for_hopper(compile_only):
     grouped_rows_mm(x, w.transpose(1, 2), offsets, gather_order=order, top_k=8, impl="triton")
     grouped_rows_mm(torch.zeros(512, 384, dtype=torch.bfloat16), w, offsets, impl="triton")
     grouped_weight_grad(torch.zeros(512, 384, dtype=torch.bfloat16), x, offsets, q_gather_order=order, top_k=8, impl="triton")
+
+
+@pytest.mark.parametrize("max_programs", [None, 264])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_adamw_compiles_for_hopper(compile_only, dtype, max_programs):
+    """Host scalars and device lr / step (the capturable step), one program per block or a capped grid."""
+    from moetune.optim.adamw import _triton_step
+
+    tensors = [torch.zeros(3 * 1024 * 1024, dtype=dtype) for _ in range(4)]
+    settings = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, max_programs=max_programs)
+    _triton_step(*tensors, lr=1e-5, step=3, **settings)
+    _triton_step(*tensors, lr=torch.tensor(1e-5), step=torch.tensor(3.0), **settings)
