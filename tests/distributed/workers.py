@@ -471,6 +471,7 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
     train_parity(rank, world_size, folder, 2, out, **ALLGATHER_REPLICATE)
     dcp_resume(rank, world_size, folder, 2, out, **ALLGATHER_REPLICATE)
     _check_replicas_equal_after_from_config(rank, world_size, ep=2)
+    overlapped_optimizer_replicated(rank, world_size, folder, ep=2)
     pipelined_dispatch(rank, world_size)
     pipelined_parity(rank, world_size, folder, ep=4, chunks=(3,))
     pipelined_parity(rank, world_size, folder, ep=2, chunks=(3,))  # experts FSDP2-sharded over dp 2: called per chunk
@@ -640,17 +641,18 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
             assert all(torch.equal(c, copies[0]) for c in copies), f"{name} differs between ranks after from_config"
 
 
-def overlapped_optimizer_replicated(rank: int, world_size: int, folder: str) -> None:
+def overlapped_optimizer_replicated(rank: int, world_size: int, folder: str, *, ep: int | None = None) -> None:
     """``CUDAGraphTrainStep(overlap_optimizer=True)`` (off CUDA: the updates run from the gradient
     hooks) on a replicated expert-parallel model: each replicated parameter is updated from its
     averaged gradient (the hook waits for its all-reduce), the experts from theirs; the parameters
-    equal the plain loop's (backward, then AdamW) exactly, step after step."""
+    equal the plain loop's (backward, then AdamW) exactly, step after step. With ``ep`` < world the
+    experts' updates wait for their all-reduce over the replicas too."""
     import pytest
 
     from moetune.optim import AdamW
     from moetune.training import CUDAGraphTrainStep
 
-    model, plain = (_load(folder, ep_size=world_size, **ALLGATHER_REPLICATE) for _ in range(2))
+    model, plain = (_load(folder, ep_size=ep or world_size, **ALLGATHER_REPLICATE) for _ in range(2))
     step = CUDAGraphTrainStep(
         model, AdamW(model.parameters(), lr=ADAM_LR, eps=ADAM_EPS), overlap_optimizer=True,
         loss_fn=lambda m, batch: distributed_loss(m, int(batch["step"]), rank, world_size, 64),
