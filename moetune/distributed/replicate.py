@@ -49,7 +49,10 @@ class ReplicatedGradientSync:
         self.world = dist.get_world_size(group)
         # gloo has no AVG reduction: sum, then divide once the reduction is done.
         self.average_in_collective = "nccl" in str(dist.get_backend(group)).lower()
-        self._pending: list[tuple[nn.Parameter, torch.Tensor, dist.Work]] = []
+        self._ids = {id(p) for p in self.params}
+        # id(param) -> its (gradient, all-reduce) pairs issued in this backward (two if autograd
+        # accumulated it twice, e.g. reentrant checkpointing), in issue order.
+        self._pending: dict[int, list[tuple[torch.Tensor, dist.Work]]] = {}
         self.enabled = True
         """False inside ``no_gradient_sync``: gradients accumulate locally, unreduced."""
         self._handles = [p.register_post_accumulate_grad_hook(self._reduce) for p in self.params]
@@ -67,7 +70,8 @@ class ReplicatedGradientSync:
         # An expert's DTensor gradient (replicated over the ranks holding the same experts): its local
         # tensor, in place.
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        self._pending.append((param, grad, dist.all_reduce(grad, op=op, group=self.group, async_op=True)))
+        work = dist.all_reduce(grad, op=op, group=self.group, async_op=True)
+        self._pending.setdefault(id(param), []).append((grad, work))
         # Queued by every hook (the later calls find nothing left to wait for): no state that a
         # backward interrupted by an exception could leave stale for the next one.
         torch.autograd.Variable._execution_engine.queue_callback(self._wait_all)
@@ -76,21 +80,20 @@ class ReplicatedGradientSync:
         """Make the current stream wait for ``param``'s all-reduce of this backward (averaged once this
         returns); False if this sync did not issue one. For work that needs one reduced gradient before
         the backward ends (``CUDAGraphTrainStep(overlap_optimizer=True)`` updates each parameter then)."""
-        for index, (pending_param, grad, work) in enumerate(self._pending):
-            if pending_param is param:
-                del self._pending[index]
-                self._finish(grad, work)
-                return True
-        return False
+        pending = self._pending.pop(id(param), [])
+        for grad, work in pending:
+            self._finish(grad, work)
+        return bool(pending)
 
     def reduces(self, param: nn.Parameter) -> bool:
         """Whether ``param``'s gradient is averaged by this sync (in the backwards it is enabled for)."""
-        return any(p is param for p in self.params)
+        return id(param) in self._ids
 
     def _wait_all(self) -> None:
-        pending, self._pending = self._pending, []
-        for _param, grad, work in pending:
-            self._finish(grad, work)
+        pending, self._pending = self._pending, {}
+        for pairs in pending.values():
+            for grad, work in pairs:
+                self._finish(grad, work)
 
     def _finish(self, grad: torch.Tensor, work: dist.Work) -> None:
         work.wait()
