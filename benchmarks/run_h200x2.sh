@@ -86,7 +86,7 @@ fi
 
 if stage ncclprobe; then
   echo "== the all-gather dispatcher's collectives alone"
-  timeout 90 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/nccl_probe.py --out "$OUT/nccl_probe.jsonl" \
+  timeout 90 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/nccl_probe.py --copy-engine --out "$OUT/nccl_probe.jsonl" \
     2>&1 | grep case || status=1
 fi
 
