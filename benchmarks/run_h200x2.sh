@@ -21,7 +21,8 @@
 #     profileep  the graphed expert-parallel step's GPU timeline per rank (benchmarks/profile_ep.py:
 #                compute-busy, NCCL-busy and exposed NCCL time; traces under $OUT/profile_ep;
 #                with the updates during the backward; PROFILE_EXTRA, PROFILE_LABEL for variants)
-#     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/nccl_probe.py)
+#     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/nccl_probe.py): NCCL,
+#                and copy-engine pushes into symmetric memory (--copy-engine)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
