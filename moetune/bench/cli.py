@@ -83,10 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --moetune-cuda-graph and --moetune-optimizer moetune: each parameter's AdamW update runs during "
         "the backward on a low-priority stream, as soon as its gradient is final (same update, no clipping)",
     )
-    p.add_argument(
-        "--moetune-update-programs", type=int, default=None,
-        help="with --moetune-overlap-optimizer: at most this many programs per update kernel (default: one per block)",
-    )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
         "--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path"
@@ -215,7 +211,6 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "moetune_optimizer": args.moetune_optimizer,
             "moetune_cuda_graph": args.moetune_cuda_graph,
             "moetune_overlap_optimizer": args.moetune_overlap_optimizer,
-            "moetune_update_programs": args.moetune_update_programs,
             "moetune_options": _moetune_options(args),
         },
         "model_config": config.to_dict(),
@@ -347,7 +342,7 @@ def _bench_side(
         bench, rows, env=env, flops_per_token={args.seq_len: data["flops_per_token"]},
         peak_tflops=data["matmul_peak_tflops"], warmup=args.warmup, steps=args.steps, seed=args.seed, lr=args.lr,
         on_result=on_result, moetune_optimizer=args.moetune_optimizer, moetune_cuda_graph=args.moetune_cuda_graph,
-        moetune_overlap_optimizer=args.moetune_overlap_optimizer, moetune_update_programs=args.moetune_update_programs,
+        moetune_overlap_optimizer=args.moetune_overlap_optimizer,
     )
     del bench
     _free(env)

@@ -43,22 +43,20 @@ if HAS_TRITON:
             step = tl.load(step_ptr).to(tl.float32)
             bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
             bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-        # One block per program, or (a grid smaller than the blocks) a grid-stride loop over them.
-        for block in range(tl.program_id(0), tl.cdiv(num_elements, BLOCK), tl.num_programs(0)):
-            offsets = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            mask = offsets < num_elements
-            param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
-            grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-            exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
-            exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
-            param = param * (1.0 - lr * weight_decay)
-            exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
-            exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
-            denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
-            param = param - (lr / bias_correction1) * exp_avg / denom
-            tl.store(param_ptr + offsets, param.to(param_ptr.dtype.element_ty), mask=mask)
-            tl.store(exp_avg_ptr + offsets, exp_avg.to(exp_avg_ptr.dtype.element_ty), mask=mask)
-            tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < num_elements
+        param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
+        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
+        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
+        param = param * (1.0 - lr * weight_decay)
+        exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
+        exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
+        denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+        param = param - (lr / bias_correction1) * exp_avg / denom
+        tl.store(param_ptr + offsets, param.to(param_ptr.dtype.element_ty), mask=mask)
+        tl.store(exp_avg_ptr + offsets, exp_avg.to(exp_avg_ptr.dtype.element_ty), mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
 
 
 class AdamW(torch.optim.Optimizer):
@@ -107,15 +105,13 @@ class AdamW(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def step_parameter(self, param: torch.Tensor, *, max_programs: int | None = None) -> None:
-        """Update one parameter from its gradient now (optimizer-in-backward schedules).
-        ``max_programs`` caps the kernel's grid (it loops over the blocks), leaving the other SMs to
-        the work it runs beside."""
+    def step_parameter(self, param: torch.Tensor) -> None:
+        """Update one parameter from its gradient now (optimizer-in-backward schedules)."""
         group = self._group_of(param)
         self._init_state(param, group)
         if group["capturable"]:
             self.state[param]["step"].add_(1.0)
-        self._step_param(param, group, max_programs=max_programs)
+        self._step_param(param, group)
 
     def _group_of(self, param: torch.Tensor) -> dict:
         groups = getattr(self, "_groups_by_param", None)
@@ -132,7 +128,7 @@ class AdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
     @torch.no_grad()
-    def _step_param(self, param: torch.Tensor, group: dict, *, max_programs: int | None = None) -> None:
+    def _step_param(self, param: torch.Tensor, group: dict) -> None:
         beta1, beta2 = group["betas"]
         state = self.state[param]
         self._init_state(param, group)  # AdamWInBackward steps one parameter at a time
@@ -140,13 +136,13 @@ class AdamW(torch.optim.Optimizer):
         if group["capturable"]:  # step already incremented on the device (``step``)
             _triton_step(local, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                          lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], step=state["step"], max_programs=max_programs)  # fmt: skip
+                         weight_decay=group["weight_decay"], step=state["step"])  # fmt: skip
         elif HAS_TRITON and local.is_cuda and local.is_contiguous() and _local(param.grad).is_contiguous():
             state["step"] += 1
             step = int(state["step"].item())  # a host tensor: no device sync
             _triton_step(local, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                          lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], step=step, max_programs=max_programs)  # fmt: skip
+                         weight_decay=group["weight_decay"], step=step)  # fmt: skip
         else:  # increments state["step"] itself
             torch.optim._functional.adamw(
                 [param], [param.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
@@ -219,10 +215,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else tensor
 
 
-def _triton_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, max_programs=None) -> None:
+def _triton_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step) -> None:
     """One AdamW update of one tensor. ``lr`` and ``step`` are Python numbers (bias corrections on
-    the host) or 0-d fp32 device tensors (read by the kernel, for CUDA-graph capture). At most
-    ``max_programs`` programs (default: one per block)."""
+    the host) or 0-d fp32 device tensors (read by the kernel, for CUDA-graph capture)."""
     num_elements = param.numel()
     if num_elements == 0:
         return
@@ -231,8 +226,7 @@ def _triton_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, wei
     bias_correction1 = 1.0 if step_on_device else 1.0 - beta1**step
     bias_correction2_sqrt = 1.0 if step_on_device else math.sqrt(1.0 - beta2**step)
     with device_of(param):
-        num_blocks = triton.cdiv(num_elements, _BLOCK)
-        _adamw_kernel[(num_blocks if max_programs is None else max(1, min(num_blocks, max_programs)),)](
+        _adamw_kernel[(triton.cdiv(num_elements, _BLOCK),)](
             param, grad, exp_avg, exp_avg_sq, num_elements,
             host_lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
             lr if lr_on_device else param, step if step_on_device else param, _log2(beta1), _log2(beta2),

@@ -82,7 +82,6 @@ class CUDAGraphTrainStep:
         max_grad_norm: float | None = None,
         loss_fn: LossFn = default_loss,
         overlap_optimizer: bool = False,
-        update_max_programs: int | None = None,
     ) -> None:
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
@@ -108,7 +107,6 @@ class CUDAGraphTrainStep:
         self._accumulated = 0  # micro-batches since the last optimizer step
         self._optimizer_graph: torch.cuda.CUDAGraph | None = None
         self.overlap_optimizer = overlap_optimizer
-        self.update_max_programs = update_max_programs  # grid cap of each overlapped update (None: no cap)
         # The step's own stream; with overlapped updates it has the high priority, so that the
         # backward's kernels get the SMs first and the updates take what is left.
         self._side_stream = torch.cuda.Stream(priority=-1 if overlap_optimizer else 0) if self.use_graphs else None
@@ -231,7 +229,7 @@ class CUDAGraphTrainStep:
                         "CUDA-graph step: a replicated parameter's gradient was not all-reduced before its overlapped "
                         "update (build the CUDAGraphTrainStep after parallelising the model)"
                     )
-        self.optimizer.step_parameter(param, max_programs=self.update_max_programs)
+        self.optimizer.step_parameter(param)
 
     def _eager_optimizer_step(self) -> None:
         self._clip_and_step()

@@ -37,18 +37,15 @@ def test_scale_unless_one_kernel_in_interpreter(interpret, dtype):
     torch.testing.assert_close(x.float(), (kept.float() * 0.3).to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("max_programs", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_adamw_kernel_in_interpreter(interpret, dtype, max_programs):
-    """One program per block, or 3 programs looping over the 10 blocks (the overlapped updates' grid)."""
+def test_adamw_kernel_in_interpreter(interpret, dtype):
     from moetune.optim.adamw import _triton_step
 
     torch.manual_seed(0)
     param, grad = torch.randn(10_000).to(dtype), torch.randn(10_000).to(dtype)
     exp_avg, exp_avg_sq = (torch.randn(10_000) * 0.1).to(dtype), (torch.rand(10_000) * 0.1).to(dtype)
     ref = [t.float().clone() for t in (param, grad, exp_avg, exp_avg_sq)]
-    _triton_step(param, grad, exp_avg, exp_avg_sq, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=3,
-                 max_programs=max_programs)  # fmt: skip
+    _triton_step(param, grad, exp_avg, exp_avg_sq, lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=3)
     torch.optim._functional.adamw(
         [ref[0]], [ref[1]], [ref[2]], [ref[3]], [], [torch.tensor(2.0)], amsgrad=False, beta1=0.9, beta2=0.99,
         lr=1e-2, weight_decay=0.1, eps=1e-8, maximize=False,
