@@ -54,12 +54,12 @@ def test_off_cuda_it_runs_the_eager_loop_exactly():
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
-def _eager_accumulated_losses(model, optimizer, steps, *, max_grad_norm=None) -> list[list[float]]:
+def _eager_accumulated_losses(model, optimizer, steps, *, max_grad_norm=None, scale=None) -> list[list[float]]:
     losses = []
     for micro_batches in steps:
         losses.append([])
         for ids in micro_batches:
-            loss = model(input_ids=ids, labels=ids).loss / len(micro_batches)
+            loss = model(input_ids=ids, labels=ids).loss * (1 / len(micro_batches) if scale is None else scale)
             loss.backward()
             losses[-1].append(loss.item())
         if max_grad_norm is not None:
@@ -103,8 +103,38 @@ def test_overlapped_optimizer_equals_the_step_after_backward():
     for (name, a), b in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     step.forward_backward(input_ids=batches[0], labels=batches[0])
-    with pytest.raises(RuntimeError, match="no gradient accumulation"):
+    with pytest.raises(RuntimeError, match="pass micro_batches=N"):
         step.forward_backward(input_ids=batches[0], labels=batches[0])
+
+
+@pytest.mark.parametrize("overlap_optimizer", [False, True])
+def test_known_micro_batch_count_off_cuda_equals_the_eager_loop(overlap_optimizer):
+    """micro_batches=3: the same parameters as the eager accumulating loop, with and without the
+    updates in the last backward; a fourth micro-batch, or a step after two, raises."""
+    model = _model("cpu", torch.float32)
+    reference = copy.deepcopy(model)
+    step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-2), micro_batches=3,
+                              overlap_optimizer=overlap_optimizer, loss_fn=_halved_loss)  # fmt: skip
+    batches = _batches(6, "cpu")
+    steps = [batches[0:3], batches[3:6]]
+    losses = []
+    for micro_batches in steps:
+        losses.append([step.forward_backward(input_ids=ids, labels=ids).item() for ids in micro_batches])
+        step.optimizer_step()
+    expected = _eager_accumulated_losses(reference, AdamW(reference.parameters(), lr=1e-2), steps, scale=0.5)
+    assert losses == expected
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    for ids in batches[:3]:
+        step.forward_backward(input_ids=ids, labels=ids)
+    with pytest.raises(RuntimeError, match="3 micro-batches per step"):
+        step.forward_backward(input_ids=batches[0], labels=batches[0])
+    step.optimizer_step()
+    step.forward_backward(input_ids=batches[0], labels=batches[0])
+    with pytest.raises(RuntimeError, match="after 1 of 3 micro-batches"):
+        step.optimizer_step()
+    with pytest.raises(ValueError, match="micro_batches must be >= 1"):
+        CUDAGraphTrainStep(model, AdamW(model.parameters()), micro_batches=0)
 
 
 def test_overlapped_optimizer_checks():
@@ -223,7 +253,37 @@ def test_graphed_gradient_accumulation_trains_like_eager_accumulation():
             ref_optimizer.zero_grad(set_to_none=True)
             for (name, a), b in zip(model.named_parameters(), reference.parameters()):
                 assert rel_err(a.float(), b.float()) < 1e-3, f"{name} after step {i}"
-        assert step.captured and step._accumulate_graph is not None
+        assert step.captured and len(step._graphs) == 2  # the first micro-batch's and the accumulating one
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_graphed_known_micro_batch_count_with_overlapped_updates_trains_like_eager_accumulation():
+    """micro_batches=3 with the updates in the last backward: three graphs (first, middle, last
+    micro-batch); losses, accumulated gradients and parameters equal an eager accumulating loop's
+    step by step (deterministic kernels)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        model = _model("cuda", torch.bfloat16, aux_loss=False)
+        reference = copy.deepcopy(model)
+        third = lambda m, batch: m(**batch).loss / 3  # noqa: E731
+        step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-3, capturable=True), micro_batches=3,
+                                  overlap_optimizer=True, loss_fn=third)  # fmt: skip
+        ref_optimizer = AdamW(reference.parameters(), lr=1e-3, capturable=True)
+        batches = _batches(15, "cuda")
+        for i in range(5):
+            for ids in batches[3 * i:3 * i + 3]:
+                loss = step.forward_backward(input_ids=ids, labels=ids)
+                ref_loss = third(reference, {"input_ids": ids, "labels": ids})
+                ref_loss.backward()
+                assert abs(loss.item() - ref_loss.item()) <= 1e-4 * abs(ref_loss.item()), f"loss of step {i}"
+            step.optimizer_step()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad(set_to_none=True)
+            for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+                assert rel_err(a.float(), b.float()) < 1e-3, f"{name} after step {i}"
+        assert step.captured and len(step._graphs) == 3
 
 
 @pytest.mark.gpu

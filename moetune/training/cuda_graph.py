@@ -23,7 +23,11 @@ the gradient is built). So gradients are never zeroed (a write costs what a zero
 single-micro-batch step keeps its one graph. Both graphs share one memory pool and always replay
 in the order they were captured (write, then accumulate), as sharing a pool requires. The losses
 are summed as returned: scale them in ``loss_fn`` (e.g. divide by the number of micro-batches, or
-pass ``num_items_in_batch`` as a tensor in the batch), exactly as in an eager loop.
+pass ``num_items_in_batch`` as a tensor in the batch), exactly as in an eager loop. With
+``micro_batches=N`` the step knows which micro-batch is the last: the others run under the model's
+``no_sync()`` (DDP, ``dense_parallel="replicate"``), so gradients are reduced once per step, by the
+last backward (a third graph: first, middle and last micro-batches each have their own), and the
+overlapped updates below run in that last backward; calling more or fewer micro-batches raises.
 
 Requirements, checked before the capture: CUDA; every call's tensors have the shapes and dtypes
 of the captured batch (pack sequences to a fixed length); a capturable optimizer
@@ -36,17 +40,19 @@ parameter memory from the host); gradient clipping then goes through
 replays when the rate is a device tensor updated in place (torch's schedulers do that; see
 ``set_learning_rate``). Off CUDA the object runs the same steps eagerly.
 
-``overlap_optimizer=True`` (moetune's AdamW, no clipping, one micro-batch per step) updates each
-parameter as soon as its gradient is final, inside the forward + backward graph, on a side stream
-of low priority (the graph's own stream gets the high one): the memory-bound updates fill the time
-the backward waits for expert-parallel collectives, and the optimizer graph only updates what the
-backward did not. A replicated parameter's update waits for its own all-reduce
-(``ReplicatedGradientSync.wait_for``), on the side stream. On one GPU (no waits to fill) it
-measured no faster (the backward's GEMMs occupy every SM; benchmarks/README.md).
+``overlap_optimizer=True`` (moetune's AdamW, no clipping; with gradient accumulation pass
+``micro_batches``) updates each parameter as soon as its gradient is final, inside the forward +
+backward graph, on a second stream (the graph's own stream is created with the high priority): the
+memory-bound updates run beside the backward's kernels and fill its waits for expert-parallel
+collectives, and the optimizer graph only updates what the backward did not. A replicated
+parameter's update waits for its own all-reduce (``ReplicatedGradientSync.wait_for``), on the
+second stream. Measured on H200s: 120.3 -> 115.3 ms per 16-layer step on one GPU, 119.7 -> 117.0
+ms with ep=2 on two (benchmarks/README.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 
 import torch
@@ -82,9 +88,12 @@ class CUDAGraphTrainStep:
         max_grad_norm: float | None = None,
         loss_fn: LossFn = default_loss,
         overlap_optimizer: bool = False,
+        micro_batches: int | None = None,
     ) -> None:
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
+        if micro_batches is not None and micro_batches < 1:
+            raise ValueError(f"CUDA-graph step: micro_batches must be >= 1, got {micro_batches}")
         if overlap_optimizer:
             _check_overlappable(model, optimizer, max_grad_norm)
         self.model = model
@@ -99,12 +108,15 @@ class CUDAGraphTrainStep:
             _check_capturable(optimizer)
         self._eager_steps = 0
         self._static_batch: dict[str, torch.Tensor] | None = None
-        self._static_loss: torch.Tensor | None = None
-        self._static_accumulate_loss: torch.Tensor | None = None
         self._static_grads: list[torch.Tensor | None] = []
-        self._forward_backward_graph: torch.cuda.CUDAGraph | None = None
-        self._accumulate_graph: torch.cuda.CUDAGraph | None = None
+        # (accumulates into existing gradients, last micro-batch of the step) -> (graph, static loss)
+        self._graphs: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None  # the first graph's memory pool, shared by the others
         self._accumulated = 0  # micro-batches since the last optimizer step
+        self.micro_batches = micro_batches
+        # With a known count, the gradients are reduced once per step (DDP's / dense_parallel='replicate''s
+        # no_sync around all but the last micro-batch), and overlapped updates run in the last one.
+        self._no_sync = getattr(model, "no_sync", None) if (micro_batches or 1) > 1 else None
         self._optimizer_graph: torch.cuda.CUDAGraph | None = None
         self.overlap_optimizer = overlap_optimizer
         # The step's own stream; with overlapped updates it has the high priority, so that the
@@ -113,7 +125,7 @@ class CUDAGraphTrainStep:
         self._update_stream = torch.cuda.Stream() if self.use_graphs and overlap_optimizer else None
         self._syncs = list(getattr(model, "replicated_gradient_syncs", ()))
         self._updated: set[torch.Tensor] = set()  # parameters updated by this backward's hooks
-        self._in_step = False  # the hooks act only in this object's backwards, not in other code's
+        self._updating = False  # the hooks update only in this object's last backward of a step
         self._hooks = (
             [p.register_post_accumulate_grad_hook(self._update_now) for p in self.params if p.requires_grad]
             if overlap_optimizer else []
@@ -124,15 +136,15 @@ class CUDAGraphTrainStep:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._forward_backward_graph = self._accumulate_graph = self._optimizer_graph = None
-        self._static_batch = self._static_loss = self._static_accumulate_loss = None
+        self._graphs, self._pool, self._optimizer_graph = {}, None, None
+        self._static_batch = None
         self._accumulated = 0
         self._static_grads = []
         self.optimizer.zero_grad(set_to_none=True)
 
     @property
     def captured(self) -> bool:
-        return self._forward_backward_graph is not None
+        return bool(self._graphs)
 
     def __call__(self, **batch: torch.Tensor) -> torch.Tensor:
         loss = self.forward_backward(**batch)
@@ -142,39 +154,45 @@ class CUDAGraphTrainStep:
     def forward_backward(self, **batch: torch.Tensor) -> torch.Tensor:
         """Forward and backward of one micro-batch; its gradients are added to those of the earlier
         micro-batches since the last ``optimizer_step``. Returns the loss (detached)."""
-        accumulate = self._accumulated > 0
-        if accumulate and self.overlap_optimizer:
+        index = self._accumulated
+        if self.micro_batches is not None and index >= self.micro_batches:
+            raise RuntimeError(f"CUDA-graph step: {self.micro_batches} micro-batches per step; call optimizer_step()")
+        if self.micro_batches is None and index > 0 and self.overlap_optimizer:
             raise RuntimeError(
-                "CUDA-graph step: overlap_optimizer updates the parameters during the backward, so each "
-                "optimizer_step() takes one forward_backward() (no gradient accumulation)"
+                "CUDA-graph step: overlap_optimizer updates the parameters in the step's last backward; for "
+                "gradient accumulation pass micro_batches=N so that the step knows which one that is"
             )
+        last = self.micro_batches is None or index == self.micro_batches - 1
+        key = (index > 0, last)
         self._accumulated += 1
         if not self.use_graphs or self._eager_steps < self.warmup_steps:
-            return self._eager(lambda: self._eager_forward_backward(batch))
-        if self._forward_backward_graph is None:  # warm-up steps just ended: a step's first micro-batch
-            self._capture_forward_backward(batch)
+            return self._eager(lambda: self._eager_forward_backward(batch, last=last))
+        if not self._graphs:  # warm-up steps just ended: a step's first micro-batch
+            self._capture_first(batch, key)
         else:
             self._copy_into_static(batch)
-            if accumulate and self._accumulate_graph is None:
-                self._capture_accumulate()
-        if accumulate:
-            self._accumulate_graph.replay()
-        else:
-            self._forward_backward_graph.replay()
+            if key not in self._graphs:
+                self._capture_more(key)
+        graph, loss = self._graphs[key]
+        graph.replay()
         self._restore_grads()
-        return (self._static_accumulate_loss if accumulate else self._static_loss).clone()
+        return loss.clone()
 
     def optimizer_step(self) -> None:
         if self._accumulated == 0:
             raise RuntimeError("CUDA-graph step: optimizer_step() without a forward_backward() since the last step")
+        if self.micro_batches is not None and self._accumulated != self.micro_batches:
+            raise RuntimeError(
+                f"CUDA-graph step: optimizer_step() after {self._accumulated} of {self.micro_batches} micro-batches"
+            )
         self._accumulated = 0
-        if self._forward_backward_graph is None:
+        if not self._graphs:
             self._eager(self._eager_optimizer_step)
             self._eager_steps += 1
             return
         if self._optimizer_graph is None:
             self._optimizer_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._optimizer_graph, pool=self._forward_backward_graph.pool()):
+            with torch.cuda.graph(self._optimizer_graph, pool=self._pool):
                 self._clip_and_step()
         self._optimizer_graph.replay()
 
@@ -189,13 +207,15 @@ class CUDAGraphTrainStep:
         torch.cuda.current_stream().wait_stream(self._side_stream)
         return result
 
-    def _eager_forward_backward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        loss = self.loss_fn(self.model, batch)
-        self._in_step = True
-        try:
-            loss.backward()
-        finally:
-            self._in_step = False
+    def _eager_forward_backward(self, batch: Mapping[str, torch.Tensor], *, last: bool = True) -> torch.Tensor:
+        sync = contextlib.nullcontext() if last or self._no_sync is None else self._no_sync()
+        with sync:  # DDP's no_sync must cover the forward too
+            loss = self.loss_fn(self.model, batch)
+            self._updating = last
+            try:
+                loss.backward()
+            finally:
+                self._updating = False
         if self._update_stream is not None:  # the updates launched by the gradient hooks
             torch.cuda.current_stream().wait_stream(self._update_stream)
         return loss.detach()
@@ -203,7 +223,7 @@ class CUDAGraphTrainStep:
     def _update_now(self, param: torch.Tensor) -> None:
         """Gradient hook of ``overlap_optimizer``: this parameter's AdamW step (after its all-reduce
         when it is replicated), on the update stream."""
-        if not self._in_step:  # a backward of other code (evaluation, a check): no update
+        if not self._updating:  # an earlier micro-batch, or a backward of other code (evaluation, a check)
             return
         if param in self._updated:
             raise RuntimeError(
@@ -253,23 +273,25 @@ class CUDAGraphTrainStep:
 
     # -- capture --
 
-    def _capture_forward_backward(self, batch: Mapping[str, torch.Tensor]) -> None:
+    def _capture_first(self, batch: Mapping[str, torch.Tensor], key: tuple[bool, bool]) -> None:
         for key, value in batch.items():
             if not isinstance(value, torch.Tensor) or not value.is_cuda:
                 raise ValueError(f"CUDA-graph step: batch[{key!r}] must be a CUDA tensor, got {type(value).__name__}"
                                  f"{'' if not isinstance(value, torch.Tensor) else ' on ' + str(value.device)}")  # fmt: skip
         self._static_batch = {key: value.clone() for key, value in batch.items()}
         self.optimizer.zero_grad(set_to_none=True)  # the captured backward then allocates and writes them
-        self._forward_backward_graph, self._static_loss = self._capture()
+        self._graphs[key] = self._capture(last=key[1])
+        self._pool = self._graphs[key][0].pool()
         self._static_grads = [p.grad for p in self.params]
         if all(grad is None for grad in self._static_grads):
             raise RuntimeError("CUDA-graph step: the captured backward produced no gradient")
 
-    def _capture_accumulate(self) -> None:
-        """The second graph: the same forward + backward, captured while the gradients exist, so its
-        backward adds into them. Captured into the first graph's pool (replayed after it, always)."""
+    def _capture_more(self, key: tuple[bool, bool]) -> None:
+        """A later micro-batch's graph: the same forward + backward, captured while the gradients exist,
+        so its backward adds into them. Captured into the first graph's pool; replays follow the
+        capture order (first, middle, last micro-batch), as sharing a pool requires."""
         self._restore_grads()
-        graph, self._static_accumulate_loss = self._capture(pool=self._forward_backward_graph.pool())
+        graph, loss = self._capture(pool=self._pool, last=key[1])
         replaced = [name for name, param, grad in zip(self._param_names(), self.params, self._static_grads)
                     if param.grad is not grad]  # fmt: skip
         if replaced:
@@ -278,15 +300,15 @@ class CUDAGraphTrainStep:
                 "to it in place (a gradient hook that returns a new tensor, or a parameter without a gradient in "
                 "the first micro-batch); use one micro-batch per step or train eagerly"
             )
-        self._accumulate_graph = graph
+        self._graphs[key] = (graph, loss)
 
-    def _capture(self, pool=None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, pool=None, *, last: bool = True) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """(graph, static loss) of forward + backward on the static batch."""
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=pool, stream=self._side_stream if self.overlap_optimizer else None):
-                loss = self._eager_forward_backward(self._static_batch)
+                loss = self._eager_forward_backward(self._static_batch, last=last)
         except RuntimeError as error:
             raise RuntimeError(
                 "CUDA-graph step: capturing forward + backward failed; the step probably synchronises with "

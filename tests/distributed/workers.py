@@ -669,6 +669,39 @@ def overlapped_optimizer_replicated(rank: int, world_size: int, folder: str, *, 
             assert torch.equal(gathered(a.data), gathered(b.data)), f"overlapped AdamW, step {i}: {name} differs"
     with model.no_sync(), pytest.raises(RuntimeError, match="cannot run inside model.no_sync"):
         step(step=torch.tensor(3))
+    step.close()
+    accumulated_once_per_step_replicated(rank, world_size, folder, ep=ep)
+
+
+def accumulated_once_per_step_replicated(rank: int, world_size: int, folder: str, *, ep: int | None = None) -> None:
+    """``CUDAGraphTrainStep(micro_batches=2, overlap_optimizer=True)`` on a replicated model: the first
+    micro-batch's gradients stay unreduced (it runs under ``model.no_sync()``), the second reduces them
+    and updates during its backward; the parameters equal the plain loop's (no_sync, backward,
+    backward, AdamW) exactly."""
+    from moetune.optim import AdamW
+    from moetune.training import CUDAGraphTrainStep
+
+    model, plain = (_load(folder, ep_size=ep or world_size, **ALLGATHER_REPLICATE) for _ in range(2))
+    step = CUDAGraphTrainStep(
+        model, AdamW(model.parameters(), lr=ADAM_LR, eps=ADAM_EPS), overlap_optimizer=True, micro_batches=2,
+        loss_fn=lambda m, batch: distributed_loss(m, int(batch["step"]), rank, world_size, 64) / 2,
+    )  # fmt: skip
+    plain_optimizer = AdamW(plain.parameters(), lr=ADAM_LR, eps=ADAM_EPS)
+    for i in range(2):
+        step.forward_backward(step=torch.tensor(2 * i))
+        head = model.get_output_embeddings().weight.grad
+        copies = [torch.empty_like(head) for _ in range(world_size)]
+        dist.all_gather(copies, head)
+        assert not torch.equal(copies[0], copies[1]), "the first micro-batch's gradients were all-reduced"
+        step.forward_backward(step=torch.tensor(2 * i + 1))
+        step.optimizer_step()
+        with plain.no_sync():
+            (distributed_loss(plain, 2 * i, rank, world_size, 64) / 2).backward()
+        (distributed_loss(plain, 2 * i + 1, rank, world_size, 64) / 2).backward()
+        plain_optimizer.step()
+        plain_optimizer.zero_grad()
+        for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+            assert torch.equal(gathered(a.data), gathered(b.data)), f"micro_batches=2, step {i}: {name} differs"
 
 
 def resized_vocabulary_replicated(rank: int, world_size: int, folder: str) -> None:
