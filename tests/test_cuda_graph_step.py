@@ -69,6 +69,17 @@ def _eager_accumulated_losses(model, optimizer, steps, *, max_grad_norm=None, sc
     return losses
 
 
+def _check_accumulation_equals_eager(step, reference, steps, **eager_settings) -> None:
+    """``step``'s losses and parameters after the accumulated ``steps`` equal the eager loop's exactly."""
+    losses = []
+    for micro_batches in steps:
+        losses.append([step.forward_backward(input_ids=ids, labels=ids).item() for ids in micro_batches])
+        step.optimizer_step()
+    assert losses == _eager_accumulated_losses(reference, AdamW(reference.parameters(), lr=1e-2), steps, **eager_settings)
+    for (name, a), b in zip(step.model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
 def _halved_loss(model, batch):
     return model(**batch).loss / 2
 
@@ -78,15 +89,7 @@ def test_gradient_accumulation_off_cuda_equals_the_eager_loop():
     reference = copy.deepcopy(model)
     step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-2), max_grad_norm=0.5, loss_fn=_halved_loss)
     batches = _batches(6, "cpu")
-    steps = [batches[i:i + 2] for i in range(0, 6, 2)]
-    losses = []
-    for micro_batches in steps:
-        losses.append([step.forward_backward(input_ids=ids, labels=ids).item() for ids in micro_batches])
-        step.optimizer_step()
-    expected = _eager_accumulated_losses(reference, AdamW(reference.parameters(), lr=1e-2), steps, max_grad_norm=0.5)
-    assert losses == expected
-    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    _check_accumulation_equals_eager(step, reference, [batches[i:i + 2] for i in range(0, 6, 2)], max_grad_norm=0.5)
     with pytest.raises(RuntimeError, match="optimizer_step\\(\\) without a forward_backward"):
         step.optimizer_step()
 
@@ -116,15 +119,7 @@ def test_known_micro_batch_count_off_cuda_equals_the_eager_loop(overlap_optimize
     step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-2), micro_batches=3,
                               overlap_optimizer=overlap_optimizer, loss_fn=_halved_loss)  # fmt: skip
     batches = _batches(6, "cpu")
-    steps = [batches[0:3], batches[3:6]]
-    losses = []
-    for micro_batches in steps:
-        losses.append([step.forward_backward(input_ids=ids, labels=ids).item() for ids in micro_batches])
-        step.optimizer_step()
-    expected = _eager_accumulated_losses(reference, AdamW(reference.parameters(), lr=1e-2), steps, scale=0.5)
-    assert losses == expected
-    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    _check_accumulation_equals_eager(step, reference, [batches[0:3], batches[3:6]], scale=0.5)
     for ids in batches[:3]:
         step.forward_backward(input_ids=ids, labels=ids)
     with pytest.raises(RuntimeError, match="3 micro-batches per step"):
@@ -226,64 +221,43 @@ def _check_graphed_steps_equal_eager_steps(model, *, overlap_optimizer: bool = F
 
 @pytest.mark.gpu
 @needs_cuda
-def test_graphed_gradient_accumulation_trains_like_eager_accumulation():
-    """Two micro-batches per step: the first replays the graph that writes the gradients, the second
-    the one that adds into them; losses, accumulated gradients and updates equal an eager
-    accumulating loop's through the warm-up, both captures and the replays (deterministic kernels)."""
+@pytest.mark.parametrize(
+    "num_micro_batches, settings",
+    [(2, {"max_grad_norm": 1.0}), (3, {"micro_batches": 3, "overlap_optimizer": True})],
+    ids=["two-graphs-clipped", "three-graphs-overlapped"],
+)
+def test_graphed_gradient_accumulation_trains_like_eager_accumulation(num_micro_batches, settings):
+    """Without a micro-batch count the first micro-batch replays the graph that writes the gradients
+    and the others the one that adds into them; with micro_batches=3 (and the updates in the last
+    backward) first, middle and last micro-batches each have a graph. Losses, accumulated gradients
+    and updates equal an eager accumulating loop's through the warm-up, the captures and the replays
+    (deterministic kernels)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    max_grad_norm = settings.get("max_grad_norm")
+    scaled = lambda m, batch: m(**batch).loss / num_micro_batches  # noqa: E731
     with sdpa_kernel([SDPBackend.MATH]):
         model = _model("cuda", torch.bfloat16, aux_loss=False)
         reference = copy.deepcopy(model)
-        step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-3, capturable=True), max_grad_norm=1.0,
-                                  loss_fn=_halved_loss)  # fmt: skip
+        step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-3, capturable=True), loss_fn=scaled, **settings)
         ref_optimizer = AdamW(reference.parameters(), lr=1e-3, capturable=True)
-        batches = _batches(10, "cuda")
+        batches = _batches(5 * num_micro_batches, "cuda")
         for i in range(5):
-            for ids in batches[2 * i:2 * i + 2]:
+            for ids in batches[num_micro_batches * i:num_micro_batches * (i + 1)]:
                 loss = step.forward_backward(input_ids=ids, labels=ids)
-                ref_loss = _halved_loss(reference, {"input_ids": ids, "labels": ids})
+                ref_loss = scaled(reference, {"input_ids": ids, "labels": ids})
                 ref_loss.backward()
                 assert abs(loss.item() - ref_loss.item()) <= 1e-4 * abs(ref_loss.item()), f"loss of step {i}"
             for (name, a), b in zip(model.named_parameters(), reference.parameters()):
                 assert rel_err(a.grad.float(), b.grad.float()) < 1e-3, f"accumulated gradient of {name} at step {i}"
             step.optimizer_step()
-            torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 1.0, foreach=True)
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(list(reference.parameters()), max_grad_norm, foreach=True)
             ref_optimizer.step()
             ref_optimizer.zero_grad(set_to_none=True)
             for (name, a), b in zip(model.named_parameters(), reference.parameters()):
                 assert rel_err(a.float(), b.float()) < 1e-3, f"{name} after step {i}"
-        assert step.captured and len(step._graphs) == 2  # the first micro-batch's and the accumulating one
-
-
-@pytest.mark.gpu
-@needs_cuda
-def test_graphed_known_micro_batch_count_with_overlapped_updates_trains_like_eager_accumulation():
-    """micro_batches=3 with the updates in the last backward: three graphs (first, middle, last
-    micro-batch); losses, accumulated gradients and parameters equal an eager accumulating loop's
-    step by step (deterministic kernels)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.MATH]):
-        model = _model("cuda", torch.bfloat16, aux_loss=False)
-        reference = copy.deepcopy(model)
-        third = lambda m, batch: m(**batch).loss / 3  # noqa: E731
-        step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-3, capturable=True), micro_batches=3,
-                                  overlap_optimizer=True, loss_fn=third)  # fmt: skip
-        ref_optimizer = AdamW(reference.parameters(), lr=1e-3, capturable=True)
-        batches = _batches(15, "cuda")
-        for i in range(5):
-            for ids in batches[3 * i:3 * i + 3]:
-                loss = step.forward_backward(input_ids=ids, labels=ids)
-                ref_loss = third(reference, {"input_ids": ids, "labels": ids})
-                ref_loss.backward()
-                assert abs(loss.item() - ref_loss.item()) <= 1e-4 * abs(ref_loss.item()), f"loss of step {i}"
-            step.optimizer_step()
-            ref_optimizer.step()
-            ref_optimizer.zero_grad(set_to_none=True)
-            for (name, a), b in zip(model.named_parameters(), reference.parameters()):
-                assert rel_err(a.float(), b.float()) < 1e-3, f"{name} after step {i}"
-        assert step.captured and len(step._graphs) == 3
+        assert step.captured and len(step._graphs) == min(num_micro_batches, 3)
 
 
 @pytest.mark.gpu
