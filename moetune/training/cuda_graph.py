@@ -76,8 +76,10 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 class CUDAGraphTrainStep:
     """``loss = step(input_ids=..., labels=...)`` trains one step: forward, backward, optional
     clipping to ``max_grad_norm``, ``optimizer.step()``. ``forward_backward`` and ``optimizer_step``
-    run the two halves separately (to time them, or to read gradients in between). Do not call
-    ``optimizer.zero_grad()`` or ``optimizer.step()`` yourself: the graphs own the gradients."""
+    run the two halves separately (to time them, or to read gradients in between; with gradient
+    accumulation call ``forward_backward`` once per micro-batch, and pass ``micro_batches`` to reduce
+    once per step). Do not call ``optimizer.zero_grad()`` or ``optimizer.step()`` yourself: the
+    graphs own the gradients."""
 
     def __init__(
         self,
@@ -120,7 +122,8 @@ class CUDAGraphTrainStep:
         self._optimizer_graph: torch.cuda.CUDAGraph | None = None
         self.overlap_optimizer = overlap_optimizer
         # The step's own stream; with overlapped updates it has the high priority, so that the
-        # backward's kernels get the SMs first and the updates take what is left.
+        # backward's kernels get the SMs first and the updates take what is left (eager launches
+        # honour it; a graph replay may run every node at the launching stream's priority).
         self._side_stream = torch.cuda.Stream(priority=-1 if overlap_optimizer else 0) if self.use_graphs else None
         self._update_stream = torch.cuda.Stream() if self.use_graphs and overlap_optimizer else None
         self._syncs = list(getattr(model, "replicated_gradient_syncs", ()))
