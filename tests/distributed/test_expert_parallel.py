@@ -2,7 +2,8 @@
 
 Each test spawns one group of processes (forked from a forkserver that imports torch and moetune
 once, ~10 s for the first group) and runs several checks in it. The checks themselves are in
-workers.py; the global-loss definition in helpers.py.
+workers.py (replicate_workers.py for the replicated, CUDA-graph capturable setting); the global-loss
+definition in helpers.py.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import transformers
 
 import moetune
 from tests.conftest import save_per_expert_checkpoint, tiny_qwen3_moe_config
-from tests.distributed import workers
+from tests.distributed import replicate_workers, workers
 from tests.distributed.helpers import spawn
 
 pytestmark = pytest.mark.distributed
@@ -56,7 +57,7 @@ def test_four_processes(checkpoint, two_experts_checkpoint, tmp_path):
 
 def test_allgather_dispatch_and_replicated_dense(checkpoint, tmp_path):
     """ep_dispatch='allgather' + dense_parallel='replicate' (CUDA-graph capturable EP) equals one process."""
-    spawn(workers.allgather_and_replicate_suite, 2, checkpoint, str(tmp_path))
+    spawn(replicate_workers.allgather_and_replicate_suite, 2, checkpoint, str(tmp_path))
 
 
 def test_trainer(checkpoint, tmp_path):
