@@ -141,9 +141,10 @@ def replicate_dense_parameters(model: nn.Module, mesh: ParallelMesh) -> list[Rep
     dense = [p for p in model.parameters() if not isinstance(p, DTensor)]
     broadcast_parameters(dense, group=mesh.world.get_group())
     # The gradients get a communicator of their own. When ep == world, DeviceMesh hands the ep dim
-    # the default group, which is also the flattened world's: one NCCL communicator runs its
-    # collectives in issue order, so the experts' all-gather waited behind the LM head's 622 MB
-    # gradient all-reduce (2 ms with the compute stream idle, on 2 H200s: benchmarks/profile_ep.py).
+    # the default group, which is also the flattened world's, and one NCCL communicator runs its
+    # collectives in issue order behind the gradient all-reduces. Measured on 2 H200s it gained
+    # nothing: the experts' all-gather still starts only after the all-reduce before it ends, for a
+    # cause not yet found (benchmarks/README.md, row B).
     group = dist.new_group(ranks=list(range(mesh.world_size)), group_desc="moetune_replicated_grads")
     syncs = [_dense_gradient_sync(model, group)]
     if mesh.world_size > mesh.ep_size:

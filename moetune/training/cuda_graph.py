@@ -126,7 +126,6 @@ class CUDAGraphTrainStep:
         # honour it; a graph replay may run every node at the launching stream's priority).
         self._side_stream = torch.cuda.Stream(priority=-1 if overlap_optimizer else 0) if self.use_graphs else None
         self._update_stream = torch.cuda.Stream() if self.use_graphs and overlap_optimizer else None
-        self._syncs = list(getattr(model, "replicated_gradient_syncs", ()))
         self._updated: set[torch.Tensor] = set()  # parameters updated by this backward's hooks
         self._updating = False  # the hooks update only in this object's last backward of a step
         self._hooks = (
@@ -243,7 +242,8 @@ class CUDAGraphTrainStep:
             self._step_after_reduction(param)
 
     def _step_after_reduction(self, param: torch.Tensor) -> None:
-        for sync in self._syncs:
+        # Read at each update: resize_token_embeddings replaces the model's dense sync in that list.
+        for sync in getattr(self.model, "replicated_gradient_syncs", ()):
             if sync.reduces(param):
                 if not sync.enabled:
                     raise RuntimeError("CUDA-graph step: overlap_optimizer cannot run inside model.no_sync()")
