@@ -79,6 +79,7 @@ def timeline(trace_path: Path, steps: int) -> dict:
         by_kind[kind] = {"calls": len(intervals) / steps, "busy_ms": per_step(total(mine)),
                          "exposed_ms": per_step(minus(mine, compute)), "alone_ms": per_step(minus(mine, others))}  # fmt: skip
     return {
+        "largest_gaps": largest_gaps(kernels, compute, is_comm, steps),
         "span_ms": per_step(span),
         "compute_busy_ms": per_step(total(compute)),
         "nccl_busy_ms": per_step(total(comm)),
@@ -87,6 +88,26 @@ def timeline(trace_path: Path, steps: int) -> dict:
         "nccl_by_kind": by_kind,
         "top_kernels_ms": {k: per_step(v) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:40]},
     }
+
+
+def largest_gaps(kernels: list[dict], compute: list[tuple[float, float]], is_comm, steps: int, count: int = 25) -> list[dict]:
+    """The longest stretches with no compute kernel running (of the profiled steps): where in the step
+    they fall, which collectives ran in them and which compute kernel ended the wait, so that exposed
+    communication is attributed to a phase and a collective, not just totalled."""
+    first = min(e["ts"] for e in kernels)
+    span = (max(e["ts"] + e["dur"] for e in kernels) - first) / steps
+    gaps = [(compute[i][1], compute[i + 1][0]) for i in range(len(compute) - 1) if compute[i + 1][0] - compute[i][1] > 5]
+    starts = sorted((e["ts"], e) for e in kernels if not is_comm(e))
+    comm = [e for e in kernels if is_comm(e)]
+    rows = []
+    for start, end in sorted(gaps, key=lambda g: g[0] - g[1])[:count]:
+        during = [f"{e['name'].split('(')[0].removeprefix('ncclDevKernel_')} {e['dur']:.0f}us@{e['ts'] - start:+.0f}"
+                  for e in comm if e["ts"] < end and e["ts"] + e["dur"] > start]  # fmt: skip
+        after = next((e["name"][:60] for ts, e in starts if ts >= end), "-")
+        previous = next((e["name"][:60] for ts, e in reversed(starts) if ts + e["dur"] <= start + 0.5), "-")
+        rows.append({"us": round(end - start, 1), "at_ms_in_step": round(((start - first) % span) / 1e3, 2),
+                     "after": previous, "before": after, "collectives": during[:6]})  # fmt: skip
+    return rows
 
 
 def main() -> None:

@@ -57,20 +57,6 @@ def _scatter_sum(x: torch.Tensor, group, world: int) -> torch.Tensor:
     return out
 
 
-class _AllGatherRows(torch.autograd.Function):
-    """All-gather of rows in rank order; the backward sums the gradient blocks over the ranks and
-    scatters block r to rank r."""
-
-    @staticmethod
-    def forward(ctx, x, group, world: int) -> torch.Tensor:
-        ctx.group, ctx.world = group, world
-        return _gather(x, group, world)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _scatter_sum(grad, ctx.group, ctx.world), None, None
-
-
 class CombineReduceScatter(torch.autograd.Function):
     """Each gathered token's weighted sum of this rank's expert outputs (fp32 partial sums), summed
     over the ranks and scattered back to the tokens' ranks, rounded to ``out_dtype`` once.
@@ -101,8 +87,47 @@ class CombineReduceScatter(torch.autograd.Function):
         return dy_NH, dw_GK, None, None, None, None, None
 
 
-def all_gather_rows(x: torch.Tensor, *, group, world: int) -> torch.Tensor:
-    return _AllGatherRows.apply(x, group, world)
+class _AllGatherTokens(torch.autograd.Function):
+    """The dispatch's three all-gathers (tokens, routing weights, expert ids) as one collective: the
+    bytes of each token's row of the three are packed side by side, so a layer pays one collective's
+    latency on its critical path instead of three. The gathered tokens are a strided view of the
+    packed rows (the gather kernel takes a row stride); the ids travel as int32. The backward
+    reduce-scatters the two gradients: block r of the summed gradient goes to rank r."""
+
+    @staticmethod
+    def forward(ctx, x_TH, weights_TK, experts_TK, group, world: int):
+        ctx.group, ctx.world = group, world
+        parts = [x_TH, weights_TK, experts_TK.to(torch.int32)]
+        packed_GB = _gather(torch.cat([_as_bytes(part) for part in parts], 1), group, world)
+        x_GH, weights_GK, experts_GK = _unpack(packed_GB, parts)
+        ctx.mark_non_differentiable(experts_GK)
+        return x_GH, weights_GK, experts_GK
+
+    @staticmethod
+    def backward(ctx, dx_GH, dweights_GK, _):
+        dx_TH = _scatter_sum(dx_GH, ctx.group, ctx.world) if ctx.needs_input_grad[0] else None
+        dweights_TK = _scatter_sum(dweights_GK, ctx.group, ctx.world) if ctx.needs_input_grad[1] else None
+        return dx_TH, dweights_TK, None, None, None
+
+
+_ALIGN = 8  # bytes: every packed part starts where any dtype's view of it is aligned
+
+
+def _as_bytes(x_TX: torch.Tensor) -> torch.Tensor:
+    """[T, X] as [T, bytes] of uint8, zero-padded to a multiple of ``_ALIGN`` bytes."""
+    bytes_TB = x_TX.contiguous().view(torch.uint8)
+    pad = -bytes_TB.shape[1] % _ALIGN
+    return bytes_TB if pad == 0 else torch.cat([bytes_TB, bytes_TB.new_zeros(bytes_TB.shape[0], pad)], 1)
+
+
+def _unpack(packed_GB: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Strided views of ``packed_GB``'s parts, in the dtypes and widths of ``like``."""
+    parts, start = [], 0
+    for part in like:
+        width = part.shape[1] * part.element_size()
+        parts.append(packed_GB[:, start : start + width].view(part.dtype))
+        start += width + (-width % _ALIGN)
+    return parts
 
 
 class AllGatherExpertParallelDispatcher(TokenDispatcher):
@@ -126,9 +151,9 @@ class AllGatherExpertParallelDispatcher(TokenDispatcher):
             x_TH, routing = _pad_tokens(x_TH, routing, padded_tokens, num_experts=num_experts)
         # Expert weights' gradients: see dispatcher.rows_by_source (scaled by 1/ep entering the experts,
         # folded into the combine's backward; by ep leaving them, applied here to the T rows, not the ep*T).
-        x_GH = all_gather_rows(scale_grad(x_TH, float(ep)), group=group, world=ep)
-        weights_GK = all_gather_rows(routing.weights_TK, group=group, world=ep)
-        experts_GK = _gather(routing.experts_TK, group, ep)  # integer ids: no gradient
+        x_GH, weights_GK, experts_GK = _AllGatherTokens.apply(
+            scale_grad(x_TH, float(ep)), routing.weights_TK, routing.experts_TK, group, ep
+        )  # fmt: skip
         # Local expert id, or num_local for copies routed to another rank (sorted last: padding).
         local_GK = experts_GK - self.rank * num_local
         key_N = torch.where((local_GK >= 0) & (local_GK < num_local), local_GK, num_local).reshape(-1)

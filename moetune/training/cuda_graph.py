@@ -277,11 +277,11 @@ class CUDAGraphTrainStep:
     # -- capture --
 
     def _capture_first(self, batch: Mapping[str, torch.Tensor], key: tuple[bool, bool]) -> None:
-        for key, value in batch.items():
+        for name, value in batch.items():
             if not isinstance(value, torch.Tensor) or not value.is_cuda:
-                raise ValueError(f"CUDA-graph step: batch[{key!r}] must be a CUDA tensor, got {type(value).__name__}"
+                raise ValueError(f"CUDA-graph step: batch[{name!r}] must be a CUDA tensor, got {type(value).__name__}"
                                  f"{'' if not isinstance(value, torch.Tensor) else ' on ' + str(value.device)}")  # fmt: skip
-        self._static_batch = {key: value.clone() for key, value in batch.items()}
+        self._static_batch = {name: value.clone() for name, value in batch.items()}
         self.optimizer.zero_grad(set_to_none=True)  # the captured backward then allocates and writes them
         self._graphs[key] = self._capture(last=key[1])
         self._pool = self._graphs[key][0].pool()

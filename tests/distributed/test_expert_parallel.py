@@ -100,3 +100,18 @@ def test_ep_overlap_chunks_is_checked(options, match):
 
 def test_lora_through_from_pretrained_under_expert_parallelism(checkpoint):
     spawn(workers.lora_under_expert_parallelism, 2, checkpoint)
+
+
+@pytest.mark.parametrize("widths", [(4, 2, 2), (3, 3, 1), (5, 1, 7)])
+def test_dispatch_packs_tokens_weights_and_ids_into_one_row(widths):
+    """The all-gather dispatcher sends a token's hidden row, routing weights and expert ids as one packed
+    row of bytes; every part comes back bit for bit, whatever its width (odd widths are padded so each
+    part's view stays aligned)."""
+    from moetune.distributed.allgather_dispatcher import _as_bytes, _unpack
+
+    hidden, top_k, tokens = widths
+    parts = [torch.randn(tokens, hidden).bfloat16(), torch.rand(tokens, top_k), torch.randint(0, 128, (tokens, top_k)).int()]
+    packed = torch.cat([_as_bytes(part) for part in parts], 1)
+    assert packed.shape[1] % 8 == 0
+    for got, want in zip(_unpack(packed, parts), parts, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
