@@ -218,7 +218,9 @@ class CUDAGraphTrainStep:
                 loss.backward()
             finally:
                 self._updating = False
-        if self._update_stream is not None:  # the updates launched by the gradient hooks
+        # The updates launched by the gradient hooks (only a step's last backward launches any; a
+        # capture of an earlier micro-batch must not wait on the update stream's uncaptured work).
+        if self._update_stream is not None and last and self._updated:
             torch.cuda.current_stream().wait_stream(self._update_stream)
         return loss.detach()
 
