@@ -21,6 +21,8 @@
 #     profileep  the graphed expert-parallel step's GPU timeline per rank (benchmarks/profile_ep.py:
 #                compute-busy, NCCL-busy and exposed NCCL time; traces under $OUT/profile_ep;
 #                with the updates during the backward; PROFILE_EXTRA, PROFILE_LABEL for variants)
+#     envsweep   row B's moetune side alone (real routing), once per setting of ENV_SWEEP ("-" = as is;
+#                e.g. ENV_SWEEP="- NCCL_MAX_NCHANNELS=8")
 #     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/nccl_probe.py): NCCL,
 #                and copy-engine pushes into symmetric memory (--copy-engine)
 set -uo pipefail
@@ -71,6 +73,14 @@ fi
 if stage rowBgraph; then
   echo "== rows B, C: ${NPROC} GPUs, ${LAYERS:-16} layers, moetune's EP step replayed from CUDA graphs"
   bench2 360 --routing both --moetune-cuda-graph --moetune-overlap-optimizer "${GRAPHABLE_EP[@]}"
+fi
+
+if stage envsweep; then  # ENV_SWEEP="- NAME=1 NAME=2": row B's moetune side alone (real routing) per setting
+  for setting in ${ENV_SWEEP:--}; do
+    echo "== moetune alone, graphed EP, environment: $setting"
+    ( [[ "$setting" == - ]] || export "${setting?}"
+      bench2 150 --routing real --sides moetune --moetune-cuda-graph --moetune-overlap-optimizer "${GRAPHABLE_EP[@]}" ) || status=1
+  done
 fi
 
 if stage rowBag; then

@@ -145,7 +145,8 @@ def replicate_dense_parameters(model: nn.Module, mesh: ParallelMesh) -> list[Rep
     # collectives in issue order behind the gradient all-reduces. Measured on 2 H200s it gained
     # nothing: the experts' all-gather still starts only after the all-reduce before it ends, for a
     # cause not yet found (benchmarks/README.md, row B).
-    group = dist.new_group(ranks=list(range(mesh.world_size)), group_desc="moetune_replicated_grads")
+    group = dist.new_group(ranks=list(range(mesh.world_size)), group_desc="moetune_replicated_grads",
+                           pg_options=_replicated_grads_options())  # fmt: skip
     syncs = [_dense_gradient_sync(model, group)]
     if mesh.world_size > mesh.ep_size:
         experts = [p for p in model.parameters() if isinstance(p, DTensor)]
@@ -153,6 +154,21 @@ def replicate_dense_parameters(model: nn.Module, mesh: ParallelMesh) -> list[Rep
         broadcast_parameters(experts, group=replicas)
         syncs.append(ReplicatedGradientSync(experts, group=replicas))
     return syncs
+
+
+def _replicated_grads_options():
+    """EXPERIMENT: cap the CTAs (channels) of the gradient all-reduces' NCCL communicator
+    (MOETUNE_REPLICATED_GRADS_MAX_CTAS), so that the bulk all-reduces leave NVLink bandwidth and SMs
+    to the experts' per-layer collectives on the critical path."""
+    import os
+
+    max_ctas = os.environ.get("MOETUNE_REPLICATED_GRADS_MAX_CTAS")
+    if not max_ctas or dist.get_backend() != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.max_ctas = int(max_ctas)
+    options.config.min_ctas = 1
+    return options
 
 
 def _dense_gradient_sync(model: nn.Module, group: dist.ProcessGroup) -> ReplicatedGradientSync:
