@@ -53,6 +53,13 @@ class MoetuneOptions:
     ep_size < world size the experts are replicated the same way over the ranks that hold the same
     experts (each node its own expert-parallel group, say)."""
 
+    replicate_max_ctas: int | None = 16
+    """``dense_parallel='replicate'`` on NCCL: the most CTAs (channels) the gradient all-reduces'
+    communicator may use. The all-reduces are bulk work that overlaps the backward; uncapped, they take
+    the NVLink bandwidth and SMs that the experts' per-layer collectives on the critical path need. On
+    2 H200s (16 layers, ep=2) 8 or 16 measured 113.6-114.0 ms per step against 116.1-116.5 uncapped
+    (4: 119.1, 2: 130.0; benchmarks/README.md). None: NCCL's own choice."""
+
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
             raise ValueError(f"ep_size must be a positive int (or None), got {self.ep_size!r}")
@@ -60,6 +67,8 @@ class MoetuneOptions:
         check_ep_dispatch(
             self.ep_dispatch, capacity_factor=self.ep_capacity_factor, overlap_chunks=self.ep_overlap_chunks
         )
+        if self.replicate_max_ctas is not None and not is_positive_int(self.replicate_max_ctas):
+            raise ValueError(f"replicate_max_ctas must be a positive int (or None), got {self.replicate_max_ctas!r}")
         if self.dense_parallel not in DENSE_PARALLEL:
             raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {self.dense_parallel!r}")
 

@@ -69,6 +69,8 @@ class ParallelConfig:
     """'fsdp': FSDP2 over all ranks for every non-expert parameter (and the experts over the ranks that
     hold the same experts); 'replicate': full copies on every rank (and of each rank's experts on the
     ranks that hold the same experts), gradients averaged in the backward (replicate.py)."""
+    replicate_max_ctas: int | None = 16
+    """'replicate' on NCCL: the most CTAs of the gradient all-reduces' communicator (None: NCCL's choice)."""
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
@@ -132,7 +134,9 @@ def check_dense_parallel(name: str, mesh: ParallelMesh) -> None:
         raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {name!r}")
 
 
-def replicate_dense_parameters(model: nn.Module, mesh: ParallelMesh) -> list[ReplicatedGradientSync]:
+def replicate_dense_parameters(
+    model: nn.Module, mesh: ParallelMesh, *, max_ctas: int | None = None
+) -> list[ReplicatedGradientSync]:
     """For an allocated model parallelized with ``dense_parallel='replicate'``: equal copies of the
     non-expert parameters on every rank, and their gradients averaged over all ranks in every
     backward. With ep < world the experts are replicated too, over the ``dp_shard_mod_ep`` ranks that
@@ -140,13 +144,13 @@ def replicate_dense_parameters(model: nn.Module, mesh: ParallelMesh) -> list[Rep
     all ranks, as for every other parameter)."""
     dense = [p for p in model.parameters() if not isinstance(p, DTensor)]
     broadcast_parameters(dense, group=mesh.world.get_group())
-    # The gradients get a communicator of their own. When ep == world, DeviceMesh hands the ep dim
-    # the default group, which is also the flattened world's, and one NCCL communicator runs its
-    # collectives in issue order behind the gradient all-reduces. Measured on 2 H200s it gained
-    # nothing: the experts' all-gather still starts only after the all-reduce before it ends, for a
-    # cause not yet found (benchmarks/README.md, row B).
+    # The gradients get a communicator of their own, with few CTAs: the all-reduces are bulk work
+    # that overlaps the backward, and uncapped they slowed the experts' per-layer collectives on the
+    # critical path (sharing NVLink and SMs; on 2 H200s a 16-CTA cap took a 16-layer step from
+    # ~116.3 to ~113.7 ms). When ep == world, DeviceMesh hands the ep dim the default group, which is
+    # also the flattened world's; a separate communicator alone measured no gain.
     group = dist.new_group(ranks=list(range(mesh.world_size)), group_desc="moetune_replicated_grads",
-                           pg_options=_replicated_grads_options())  # fmt: skip
+                           pg_options=_nccl_options(max_ctas))  # fmt: skip
     syncs = [_dense_gradient_sync(model, group)]
     if mesh.world_size > mesh.ep_size:
         experts = [p for p in model.parameters() if isinstance(p, DTensor)]
@@ -156,17 +160,12 @@ def replicate_dense_parameters(model: nn.Module, mesh: ParallelMesh) -> list[Rep
     return syncs
 
 
-def _replicated_grads_options():
-    """EXPERIMENT: cap the CTAs (channels) of the gradient all-reduces' NCCL communicator
-    (MOETUNE_REPLICATED_GRADS_MAX_CTAS), so that the bulk all-reduces leave NVLink bandwidth and SMs
-    to the experts' per-layer collectives on the critical path."""
-    import os
-
-    max_ctas = os.environ.get("MOETUNE_REPLICATED_GRADS_MAX_CTAS")
-    if not max_ctas or dist.get_backend() != "nccl":
+def _nccl_options(max_ctas: int | None):
+    """Options of a new NCCL process group with at most ``max_ctas`` CTAs (None on other backends)."""
+    if max_ctas is None or dist.get_backend() != "nccl":
         return None
     options = dist.ProcessGroupNCCL.Options()
-    options.config.max_ctas = int(max_ctas)
+    options.config.max_ctas = max_ctas
     options.config.min_ctas = 1
     return options
 
@@ -340,6 +339,7 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         ep_overlap_chunks=getattr(options, "ep_overlap_chunks", 1),
         ep_dispatch=getattr(options, "ep_dispatch", "alltoall"),
         dense_parallel=getattr(options, "dense_parallel", "fsdp"),
+        replicate_max_ctas=getattr(options, "replicate_max_ctas", 16),
         lora=getattr(options, "lora", None),
     )
     if device.type == "cuda":
@@ -354,7 +354,9 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
 
         reset_lora_parameters(model)
     if config.dense_parallel == "replicate":
-        model.replicated_gradient_syncs = replicate_dense_parameters(model, mesh)  # kept alive with the model
+        model.replicated_gradient_syncs = replicate_dense_parameters(  # kept alive with the model
+            model, mesh, max_ctas=config.replicate_max_ctas
+        )
         # DDP's name, which accelerate (Transformers' Trainer) and the recipe call for all but the last
         # micro-batch of a step.
         model.no_sync = partial(no_gradient_sync, model.replicated_gradient_syncs)
