@@ -103,10 +103,17 @@ def largest_gaps(kernels: list[dict], compute: list[tuple[float, float]], is_com
     for start, end in sorted(gaps, key=lambda g: g[0] - g[1])[:count]:
         during = [f"{e['name'].split('(')[0].removeprefix('ncclDevKernel_')} {e['dur']:.0f}us@{e['ts'] - start:+.0f}"
                   for e in comm if e["ts"] < end and e["ts"] + e["dur"] > start]  # fmt: skip
-        after = next((e["name"][:60] for ts, e in starts if ts >= end), "-")
+        waiting = next((e for ts, e in starts if ts >= end), None)
         previous = next((e["name"][:60] for ts, e in reversed(starts) if ts + e["dur"] <= start + 0.5), "-")
-        rows.append({"us": round(end - start, 1), "at_ms_in_step": round(((start - first) % span) / 1e3, 2),
-                     "after": previous, "before": after, "collectives": during[:6]})  # fmt: skip
+        row = {"us": round(end - start, 1), "at_ms_in_step": round(((start - first) % span) / 1e3, 2),
+               "after": previous, "before": "-" if waiting is None else waiting["name"][:60], "collectives": during[:6]}
+        if waiting is not None:  # what its own stream did last: long idle = it waited on another stream
+            stream = waiting.get("args", {}).get("stream")
+            last = max((e["ts"] + e["dur"] for e in kernels if e.get("args", {}).get("stream") == stream
+                        and e["ts"] + e["dur"] <= waiting["ts"]), default=None)  # fmt: skip
+            row["before_stream"] = stream
+            row["its_stream_idle_us"] = None if last is None else round(waiting["ts"] - last, 1)
+        rows.append(row)
     return rows
 
 

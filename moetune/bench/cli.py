@@ -42,7 +42,7 @@ from moetune.bench.run import Row, RowResult, is_oom, make_rows, run_rows
 from moetune.flops import training_flops_per_token as flops_per_token
 
 DEFAULT_LAYERS = 8
-RECORDED_ENV_PREFIXES = ("PYTORCH_CUDA_ALLOC", "CUDA_VISIBLE", "CUDA_DEVICE_MAX", "NCCL_", "TORCH_")
+RECORDED_ENV_PREFIXES = ("PYTORCH_CUDA_ALLOC", "CUDA_VISIBLE", "CUDA_DEVICE_MAX", "NCCL_", "TORCH_", "MOETUNE_")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -120,6 +120,7 @@ class CUDAGraphTrainStep:
         # no_sync around all but the last micro-batch), and overlapped updates run in the last one.
         self._no_sync = getattr(model, "no_sync", None) if (micro_batches or 1) > 1 else None
         self._optimizer_graph: torch.cuda.CUDAGraph | None = None
+        self._optimizer_graph_empty = False  # overlapped updates that left the optimizer graph nothing
         self.overlap_optimizer = overlap_optimizer
         # The step's own stream; with overlapped updates it has the high priority, so that the
         # backward's kernels get the SMs first and the updates take what is left (eager launches
@@ -139,6 +140,7 @@ class CUDAGraphTrainStep:
             hook.remove()
         self._hooks = []
         self._graphs, self._pool, self._optimizer_graph = {}, None, None
+        self._optimizer_graph_empty = False
         self._static_batch = None
         self._accumulated = 0
         self._static_grads = []
@@ -194,9 +196,17 @@ class CUDAGraphTrainStep:
             return
         if self._optimizer_graph is None:
             self._optimizer_graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self._optimizer_graph, pool=self._pool):
-                self._clip_and_step()
-        self._optimizer_graph.replay()
+            if self.overlap_optimizer and self._backward_updated_all():
+                self._updated.clear()  # nothing left for the optimizer graph (CUDA warns of empty graphs)
+                self._optimizer_graph_empty = True
+            else:
+                with torch.cuda.graph(self._optimizer_graph, pool=self._pool):
+                    self._clip_and_step()
+        if not self._optimizer_graph_empty:
+            self._optimizer_graph.replay()
+
+    def _backward_updated_all(self) -> bool:
+        return all(param.grad is None or param in self._updated for param in self.params)
 
     # -- eager steps (warm-up, or off CUDA) --
 
