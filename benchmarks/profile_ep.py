@@ -97,7 +97,7 @@ def largest_gaps(kernels: list[dict], compute: list[tuple[float, float]], is_com
     first = min(e["ts"] for e in kernels)
     span = (max(e["ts"] + e["dur"] for e in kernels) - first) / steps
     gaps = [(compute[i][1], compute[i + 1][0]) for i in range(len(compute) - 1) if compute[i + 1][0] - compute[i][1] > 5]
-    starts = sorted((e["ts"], e) for e in kernels if not is_comm(e))
+    starts = sorted(((e["ts"], e) for e in kernels if not is_comm(e)), key=lambda pair: pair[0])  # dicts do not compare
     comm = [e for e in kernels if is_comm(e)]
     rows = []
     for start, end in sorted(gaps, key=lambda g: g[0] - g[1])[:count]:

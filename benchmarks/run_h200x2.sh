@@ -92,7 +92,7 @@ if stage profileep; then
   echo "== graphed expert-parallel step, GPU timeline"
   timeout 150 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/profile_ep.py --layers "${LAYERS:-16}" \
     --option ep_dispatch=allgather --option dense_parallel=replicate --cuda-graph --overlap-optimizer --out "$OUT/profile_ep" \
-    --label "$MOETUNE_COMMIT${PROFILE_LABEL:-}" ${PROFILE_EXTRA:-} 2>&1 | grep -vi warn | tail -12 || status=1
+    --label "$MOETUNE_COMMIT${PROFILE_LABEL:-}" ${PROFILE_EXTRA:-} 2>&1 | grep -vi warn | tail -40 || status=1
 fi
 
 if stage ncclprobe; then
