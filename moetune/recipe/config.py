@@ -178,6 +178,9 @@ class DistributedConfig:
     """With ep_size > 1, the non-expert parameters: "fsdp" (sharded) or "replicate" (whole on every
     rank, gradients all-reduced; with ep_size < processes the experts are replicated over the
     ranks that hold the same experts)."""
+    replicate_max_ctas: int = 16
+    """With dense_parallel "replicate" on NCCL: the most CTAs of the gradient all-reduces'
+    communicator (few, so they leave bandwidth to the experts' collectives); 0: NCCL's own choice."""
     reduce_dtype: str = "float32"
     """Gradient reduce-scatter dtype with ep_size > 1 ("float32" exact sums, or "bfloat16")."""
     backend: str = ""
@@ -249,6 +252,7 @@ def validate(config: JobConfig) -> JobConfig:
     ]:
         check(value >= 1, name, f"must be >= 1, got {value}")
     for name, value in [
+        ("distributed.replicate_max_ctas", config.distributed.replicate_max_ctas),
         ("optim.warmup_steps", config.optim.warmup_steps),
         ("optim.weight_decay", config.optim.weight_decay),
         ("optim.grad_clip", config.optim.grad_clip),

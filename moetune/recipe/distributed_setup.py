@@ -54,6 +54,7 @@ def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora) -> di
         "ep_overlap_chunks": config.ep_overlap_chunks,
         "ep_dispatch": config.ep_dispatch,
         "dense_parallel": config.dense_parallel,
+        "replicate_max_ctas": config.replicate_max_ctas or None,
         "reduce_dtype": getattr(torch, config.reduce_dtype),
         "lora": lora,
     }

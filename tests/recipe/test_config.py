@@ -82,6 +82,7 @@ def test_unknown_key_names_it_and_the_closest_valid_key(tmp_path):
     (["--data.on_bad_row", "ignore"], "config field data.on_bad_row"),
     (["--lora.rank", "-1"], "config section lora: LoraSettings.rank must be a positive int"),
     (["--distributed.ep_overlap_chunks", "0"], "config field distributed.ep_overlap_chunks: must be >= 1, got 0"),
+    (["--distributed.replicate_max_ctas", "-1"], "config field distributed.replicate_max_ctas: must be >= 0, got -1"),
     (["--distributed.ep_dispatch", "broadcast"], "config field distributed.ep_dispatch: 'broadcast' is not one of"),
     (["--distributed.dense_parallel", "ddp"], "config field distributed.dense_parallel: 'ddp' is not one of"),
     (["--distributed.ep_dispatch", "allgather", "--distributed.ep_overlap_chunks", "2"],
