@@ -78,7 +78,17 @@ def timeline(trace_path: Path, steps: int) -> dict:
         others = interval_union(compute + [i for k, v in kinds.items() if k != kind for i in v])
         by_kind[kind] = {"calls": len(intervals) / steps, "busy_ms": per_step(total(mine)),
                          "exposed_ms": per_step(minus(mine, compute)), "alone_ms": per_step(minus(mine, others))}  # fmt: skip
+    # Which streams each kind of kernel ran on (eager steps show the real streams; graph replays run
+    # on internal ones): two kinds sharing a stream are serialized in issue order.
+    streams: dict[str, dict[str, int]] = {}
+    for e in kernels:
+        kind = e["name"].split("(")[0].removeprefix("ncclDevKernel_") if is_comm(e) else (
+            "adamw" if "adamw" in e["name"] else "compute")  # fmt: skip
+        stream = str(e.get("args", {}).get("stream"))
+        streams.setdefault(kind, {}).setdefault(stream, 0)
+        streams[kind][stream] += 1
     return {
+        "streams_by_kind": streams,
         "largest_gaps": largest_gaps(kernels, compute, is_comm, steps),
         "span_ms": per_step(span),
         "compute_busy_ms": per_step(total(compute)),
@@ -126,6 +136,9 @@ def main() -> None:
     parser.add_argument("--cuda-graph", action="store_true")
     parser.add_argument("--overlap-optimizer", action="store_true", help="with --cuda-graph: updates during backward")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--graph-warmup-steps", type=int, default=2,
+                        help="with --cuda-graph: eager steps before the capture (more than the run's steps: the "
+                             "profiled steps run eagerly on the step's real streams)")
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--label", default="ep")
@@ -145,7 +158,8 @@ def main() -> None:
     if args.cuda_graph:
         from moetune.training import CUDAGraphTrainStep
 
-        graphed = CUDAGraphTrainStep(model, opt, warmup_steps=2, overlap_optimizer=args.overlap_optimizer)
+        graphed = CUDAGraphTrainStep(model, opt, warmup_steps=args.graph_warmup_steps,
+                                     overlap_optimizer=args.overlap_optimizer)
         step = lambda: graphed(input_ids=ids, labels=ids)  # noqa: E731
     else:
 
