@@ -98,7 +98,11 @@ class _AllGatherTokens(torch.autograd.Function):
     def forward(ctx, x_TH, weights_TK, experts_TK, group, world: int):
         ctx.group, ctx.world = group, world
         parts = [x_TH, weights_TK, experts_TK.to(torch.int32)]
-        packed_GB = _gather(torch.cat([_as_bytes(part) for part in parts], 1), group, world)
+        rows = [_as_bytes(part) for part in parts]
+        pad = -sum(row.shape[1] for row in rows) % _ROW_ALIGN  # every gathered token row starts on a line
+        if pad:
+            rows.append(rows[0].new_zeros(rows[0].shape[0], pad))
+        packed_GB = _gather(torch.cat(rows, 1), group, world)
         x_GH, weights_GK, experts_GK = _unpack(packed_GB, parts)
         ctx.mark_non_differentiable(experts_GK)
         return x_GH, weights_GK, experts_GK
@@ -111,6 +115,9 @@ class _AllGatherTokens(torch.autograd.Function):
 
 
 _ALIGN = 8  # bytes: every packed part starts where any dtype's view of it is aligned
+# Bytes: packed rows are padded to whole 128-byte lines, so that the experts' gather reads each
+# token's hidden row from aligned lines (4096 + 16 + 32 bytes per Qwen3-30B-A3B token -> 4224).
+_ROW_ALIGN = 128
 
 
 def _as_bytes(x_TX: torch.Tensor) -> torch.Tensor:
