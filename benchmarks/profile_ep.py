@@ -114,7 +114,8 @@ def largest_gaps(kernels: list[dict], compute: list[tuple[float, float]], is_com
         during = [f"{e['name'].split('(')[0].removeprefix('ncclDevKernel_')} {e['dur']:.0f}us@{e['ts'] - start:+.0f}"
                   for e in comm if e["ts"] < end and e["ts"] + e["dur"] > start]  # fmt: skip
         waiting = next((e for ts, e in starts if ts >= end), None)
-        previous = next((e["name"][:60] for ts, e in reversed(starts) if ts + e["dur"] <= start + 0.5), "-")
+        ended = [e for _, e in starts if e["ts"] + e["dur"] <= start + 0.5]  # the kernel whose end began the gap
+        previous = max(ended, key=lambda e: e["ts"] + e["dur"])["name"][:60] if ended else "-"
         row = {"us": round(end - start, 1), "at_ms_in_step": round(((start - first) % span) / 1e3, 2),
                "after": previous, "before": "-" if waiting is None else waiting["name"][:60], "collectives": during[:6]}
         if waiting is not None:  # what its own stream did last: long idle = it waited on another stream

@@ -1,0 +1,55 @@
+"""``benchmarks/profile_ep.py``'s timeline analysis on a synthetic chrome trace: the GPU runs that feed
+it are scarce, so its arithmetic is checked here (an unsortable kernel list once failed a rank's
+report after a full profiling run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_ep.py"
+
+
+@pytest.fixture(scope="module")
+def profile_ep():
+    spec = importlib.util.spec_from_file_location("profile_ep", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def kernel(name, ts, dur, stream):
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": stream}}
+
+
+def test_timeline_splits_busy_exposed_and_names_the_gaps(profile_ep, tmp_path):
+    # One step (us): compute 0-100 on stream 7 and, at the same start, an update on stream 9; an
+    # all-gather 90-140 on stream 7 (50 us, 40 of them with no compute kernel running), compute again
+    # 140-240, and a 30 us all-reduce overlapped by it.
+    events = [
+        kernel("gemm_a", 0, 100, 7), kernel("_adamw_kernel", 0, 20, 9),
+        kernel("ncclDevKernel_AllGather_RING_LL(args)", 90, 50, 7),
+        kernel("gemm_b", 140, 100, 7), kernel("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(args)", 150, 30, 11),
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 5},
+    ]  # fmt: skip
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+
+    result = profile_ep.timeline(trace, steps=1)
+
+    assert result["span_ms"] == pytest.approx(0.24)
+    assert result["compute_busy_ms"] == pytest.approx(0.2)
+    assert result["nccl_busy_ms"] == pytest.approx(0.08)
+    assert result["nccl_exposed_ms"] == pytest.approx(0.04)
+    assert result["nccl_by_kind"]["AllGather_RING_LL"] == {"calls": 1.0, "busy_ms": 0.05, "exposed_ms": 0.04, "alone_ms": 0.04}
+    assert result["nccl_by_kind"]["AllReduce_Sum_bf16_RING_LL"]["exposed_ms"] == 0.0
+    assert result["streams_by_kind"] == {
+        "compute": {"7": 2}, "adamw": {"9": 1}, "AllGather_RING_LL": {"7": 1}, "AllReduce_Sum_bf16_RING_LL": {"11": 1}
+    }
+    [gap] = result["largest_gaps"]
+    assert gap["us"] == 40 and gap["after"] == "gemm_a" and gap["before"] == "gemm_b"
+    assert gap["collectives"] == ["AllGather_RING_LL 50us@-10"]
+    assert gap["before_stream"] == 7 and gap["its_stream_idle_us"] == 0  # the all-gather ran on it until then
