@@ -100,6 +100,41 @@ def timeline(trace_path: Path, steps: int) -> dict:
     }
 
 
+def _collectives(trace_path: Path) -> dict[str, list[tuple[float, float]]]:
+    """Each collective kind's kernels as (start, end) in microseconds on the host clock, in start
+    order (traces that count from ``baseTimeNanoseconds`` are shifted onto it)."""
+    data = json.loads(trace_path.read_text())
+    base = float(data.get("baseTimeNanoseconds", 0)) / 1e3
+    kinds: dict[str, list[tuple[float, float]]] = {}
+    for e in data["traceEvents"]:
+        if e.get("cat") == "kernel" and e.get("dur", 0) > 0 and e["name"].startswith(("ncclDevKernel", "ncclKernel")):
+            kind = e["name"].split("(")[0].removeprefix("ncclDevKernel_")
+            kinds.setdefault(kind, []).append((base + e["ts"], base + e["ts"] + e["dur"]))
+    return {kind: sorted(calls) for kind, calls in kinds.items()}
+
+
+def peer_waits(trace_paths: list[Path], steps: int) -> dict:
+    """Per collective kind and rank (ms per step): how long its kernels ran before the last rank
+    reached the same call (waiting for a later peer: load imbalance or a delayed launch there), and
+    the median time from that arrival to the kernel's end (the transfer itself). The i-th call of a
+    kind is paired across ranks; the ranks' traces must share a clock (one host)."""
+    per_rank = [_collectives(path) for path in trace_paths]
+    result = {}
+    for kind in sorted(set.intersection(*(set(kinds) for kinds in per_rank))):
+        calls = min(len(kinds[kind]) for kinds in per_rank)
+        waits = [0.0] * len(per_rank)
+        transfers = []
+        for i in range(calls):
+            arrival = max(kinds[kind][i][0] for kinds in per_rank)
+            for rank, kinds in enumerate(per_rank):
+                start, end = kinds[kind][i]
+                waits[rank] += min(arrival, end) - start
+                transfers.append(max(0.0, end - arrival))
+        result[kind] = {"calls": calls / steps, "peer_wait_ms_by_rank": [round(w / steps / 1e3, 3) for w in waits],
+                        "transfer_us_median": round(statistics.median(transfers), 1)}  # fmt: skip
+    return result
+
+
 def largest_gaps(kernels: list[dict], compute: list[tuple[float, float]], is_comm, steps: int, count: int = 25) -> list[dict]:
     """The longest stretches with no compute kernel running (of the profiled steps): where in the step
     they fall, which collectives ran in them and which compute kernel ended the wait, so that exposed
@@ -198,8 +233,13 @@ def main() -> None:
                "cuda_graph": args.cuda_graph, "layers": args.layers, "step_ms_median": round(statistics.median(times), 2),
                **timeline(trace, args.profile_steps)}  # fmt: skip
     (args.out / f"timeline_{args.label}_rank{rank}.json").write_text(json.dumps(summary, indent=1))
+    dist.barrier()  # every rank's trace is written
     if rank == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "top_kernels_ms"}, indent=1), flush=True)
+        traces = [args.out / f"trace_{args.label}_rank{r}.json" for r in range(dist.get_world_size())]
+        waits = peer_waits(traces, args.profile_steps)
+        (args.out / f"peer_waits_{args.label}.json").write_text(json.dumps(waits, indent=1))
+        print("peer waits:", json.dumps(waits), flush=True)
     dist.barrier()
     os._exit(0)  # skip NCCL teardown with live CUDA graphs (it hung until torchrun's timeout)
 

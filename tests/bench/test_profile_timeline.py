@@ -53,3 +53,22 @@ def test_timeline_splits_busy_exposed_and_names_the_gaps(profile_ep, tmp_path):
     assert gap["us"] == 40 and gap["after"] == "gemm_a" and gap["before"] == "gemm_b"
     assert gap["collectives"] == ["AllGather_RING_LL 50us@-10"]
     assert gap["before_stream"] == 7 and gap["its_stream_idle_us"] == 0  # the all-gather ran on it until then
+
+
+def test_peer_waits_split_collective_time_into_waiting_for_the_peer_and_transfer(profile_ep, tmp_path):
+    # Two ranks on one clock (rank 1's trace counts from a base time 1 ms later). First all-gather:
+    # rank 0 launches at 100, rank 1 at 160 (its compute ran longer): rank 0 waits 60 us, then both
+    # transfer for 40. Second: both at 500, 30 us each. Rank 1's kernels are the same calls.
+    rank0 = {"traceEvents": [kernel("ncclDevKernel_AllGather_RING_LL(a)", 100, 100, 7),
+                             kernel("ncclDevKernel_AllGather_RING_LL(a)", 500, 30, 7), kernel("gemm", 0, 100, 7)]}
+    rank1 = {"baseTimeNanoseconds": 1_000_000,
+             "traceEvents": [kernel("ncclDevKernel_AllGather_RING_LL(a)", 160 - 1000, 40, 7),
+                             kernel("ncclDevKernel_AllGather_RING_LL(a)", 500 - 1000, 30, 7)]}  # fmt: skip
+    paths = []
+    for rank, trace in enumerate([rank0, rank1]):
+        paths.append(tmp_path / f"trace_rank{rank}.json")
+        paths[-1].write_text(json.dumps(trace))
+
+    waits = profile_ep.peer_waits(paths, steps=1)
+
+    assert waits == {"AllGather_RING_LL": {"calls": 2.0, "peer_wait_ms_by_rank": [0.06, 0.0], "transfer_us_median": 35.0}}
