@@ -78,7 +78,6 @@ def main() -> None:
         counts = torch.diff(ends, prepend=ends.new_zeros(1))
         emit(routing=kind, max_rows=int(counts.max()), min_rows=int(counts.min()))
         valid = ends[-1:]
-        x_nh = permute_rows(x, order, top_k, num_valid=valid)
         # name -> (flops, torch callable, triton callable taking a config)
         gemms = {
             "fwd_gate_up (gather + x @ W)": (

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -143,9 +143,7 @@ def run(side: str, args) -> dict:
         if args.cpu_profile:
             print(f"==== {side}: top CPU ops of one step ====")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=70))
-    del model, opt
-    torch.cuda.empty_cache()
-    return result
+    return result  # the model and optimizer go with this frame (the caller frees them)
 
 
 def gpu_timeline(prof, top: int = 15) -> dict:
@@ -201,8 +199,12 @@ def main() -> None:
 
         names = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
         backend = sdpa_kernel([getattr(SDPBackend, names[args.sdpa_backend])])
+    results = []
     with backend:
-        results = [run(side, args) for side in args.sides.split(",")]
+        for side in args.sides.split(","):
+            results.append(run(side, args))
+            gc.collect()  # the side's model, optimizer and graphs (their hooks hold reference cycles)
+            torch.cuda.empty_cache()
     for r in results:
         print(json.dumps({**vars(args), **r}))
 
