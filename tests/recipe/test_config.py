@@ -130,3 +130,24 @@ def test_the_saved_config_of_a_run_loads_back_identically(tmp_path):
     config = load_config(overrides=["--optim.betas", "0.8,0.9", "--lora.enabled", "true"])
     save_config(config, tmp_path / "config.yaml")
     assert load_config(yaml_path=tmp_path / "config.yaml") == config
+
+
+def test_distributed_fields_reach_moetune_options():
+    """The recipe's distributed section becomes ``from_pretrained``'s moetune options, and every key is
+    a ``MoetuneOptions`` field (0 CTAs = NCCL's own choice, passed as None)."""
+    import dataclasses
+
+    import torch
+
+    from moetune.options import MoetuneOptions
+    from moetune.recipe.distributed_setup import Runtime, sharding_options
+
+    runtime = Runtime(device=torch.device("cpu"), rank=0, world_size=2)
+    config = load_config(overrides=["--distributed.ep_size", "2", "--distributed.dense_parallel", "replicate"]).distributed
+    options = sharding_options(runtime, config, lora=None)
+    assert options["replicate_max_ctas"] == 16 and options["dense_parallel"] == "replicate"
+    assert set(options) <= {field.name for field in dataclasses.fields(MoetuneOptions)}
+    MoetuneOptions(**options)  # valid as a whole
+    uncapped = load_config(overrides=["--distributed.ep_size", "2", "--distributed.replicate_max_ctas", "0"]).distributed
+    assert sharding_options(runtime, uncapped, lora=None)["replicate_max_ctas"] is None
+    assert sharding_options(Runtime(device=torch.device("cpu")), config, lora=None) is None  # one process: no EP
