@@ -90,18 +90,18 @@ class CombineReduceScatter(torch.autograd.Function):
 class _AllGatherTokens(torch.autograd.Function):
     """The dispatch's three all-gathers (tokens, routing weights, expert ids) as one collective: the
     bytes of each token's row of the three are packed side by side, so a layer pays one collective's
-    latency on its critical path instead of three. The gathered tokens are a strided view of the
-    packed rows (the gather kernel takes a row stride); the ids travel as int32. The backward
-    reduce-scatters the two gradients: block r of the summed gradient goes to rank r."""
+    latency on its critical path instead of three. The gathered parts are strided views of the
+    packed rows (the gather kernel takes a row stride), in their own dtypes: no cast kernels. The
+    backward reduce-scatters the two gradients: block r of the summed gradient goes to rank r."""
 
     @staticmethod
     def forward(ctx, x_TH, weights_TK, experts_TK, group, world: int):
         ctx.group, ctx.world = group, world
-        parts = [x_TH, weights_TK, experts_TK.to(torch.int32)]
+        parts = [x_TH, weights_TK, experts_TK]
         rows = [_as_bytes(part) for part in parts]
         pad = -sum(row.shape[1] for row in rows) % _ROW_ALIGN  # every gathered token row starts on a line
         if pad:
-            rows.append(rows[0].new_zeros(rows[0].shape[0], pad))
+            rows.append(rows[0].new_empty(rows[0].shape[0], pad))  # never read: no fill kernel
         packed_GB = _gather(torch.cat(rows, 1), group, world)
         x_GH, weights_GK, experts_GK = _unpack(packed_GB, parts)
         ctx.mark_non_differentiable(experts_GK)
@@ -116,15 +116,15 @@ class _AllGatherTokens(torch.autograd.Function):
 
 _ALIGN = 8  # bytes: every packed part starts where any dtype's view of it is aligned
 # Bytes: packed rows are padded to whole 128-byte lines, so that the experts' gather reads each
-# token's hidden row from aligned lines (4096 + 16 + 32 bytes per Qwen3-30B-A3B token -> 4224).
+# token's hidden row from aligned lines (a Qwen3-30B-A3B token's 4096-byte row + its weights and ids -> 4224).
 _ROW_ALIGN = 128
 
 
 def _as_bytes(x_TX: torch.Tensor) -> torch.Tensor:
-    """[T, X] as [T, bytes] of uint8, zero-padded to a multiple of ``_ALIGN`` bytes."""
+    """[T, X] as [T, bytes] of uint8, padded (never read) to a multiple of ``_ALIGN`` bytes."""
     bytes_TB = x_TX.contiguous().view(torch.uint8)
     pad = -bytes_TB.shape[1] % _ALIGN
-    return bytes_TB if pad == 0 else torch.cat([bytes_TB, bytes_TB.new_zeros(bytes_TB.shape[0], pad)], 1)
+    return bytes_TB if pad == 0 else torch.cat([bytes_TB, bytes_TB.new_empty(bytes_TB.shape[0], pad)], 1)
 
 
 def _unpack(packed_GB: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:

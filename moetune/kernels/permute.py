@@ -179,11 +179,10 @@ def _gather_rows_torch(x, order_N, top_k, *, weights=None, y_for_dot=None, num_v
     (n >= num_valid) are computed (allowed: undefined) but give dw 0."""
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
     rows = x.index_select(0, order_N // top_k).to(compute_dtype)
-    if weights is not None:
-        rows_weights = weights.index_select(0, order_N).to(compute_dtype)
-        out = rows * (rows_weights if weights_scale == 1.0 else rows_weights * weights_scale)[:, None]
-    else:
+    if weights is None:
         out = rows
+    else:
+        out = rows * (weights.index_select(0, order_N).to(compute_dtype) * weights_scale)[:, None]
     dw = None
     if y_for_dot is not None:
         dots = (rows * y_for_dot.to(compute_dtype)).sum(-1)

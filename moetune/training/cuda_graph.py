@@ -119,8 +119,8 @@ class CUDAGraphTrainStep:
         # With a known count, the gradients are reduced once per step (DDP's / dense_parallel='replicate''s
         # no_sync around all but the last micro-batch), and overlapped updates run in the last one.
         self._no_sync = getattr(model, "no_sync", None) if (micro_batches or 1) > 1 else None
-        self._optimizer_graph: torch.cuda.CUDAGraph | None = None
-        self._optimizer_graph_empty = False  # overlapped updates that left the optimizer graph nothing
+        # The optimizer graph's replay once captured (a no-op when the overlapped updates left it nothing).
+        self._optimizer_replay: Callable[[], None] | None = None
         self.overlap_optimizer = overlap_optimizer
         # The step's own stream; with overlapped updates it has the high priority, so that the
         # backward's kernels get the SMs first and the updates take what is left (eager launches
@@ -139,8 +139,7 @@ class CUDAGraphTrainStep:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        self._graphs, self._pool, self._optimizer_graph = {}, None, None
-        self._optimizer_graph_empty = False
+        self._graphs, self._pool, self._optimizer_replay = {}, None, None
         self._static_batch = None
         self._accumulated = 0
         self._static_grads = []
@@ -194,16 +193,18 @@ class CUDAGraphTrainStep:
             self._eager(self._eager_optimizer_step)
             self._eager_steps += 1
             return
-        if self._optimizer_graph is None:
-            self._optimizer_graph = torch.cuda.CUDAGraph()
-            if self.overlap_optimizer and self._backward_updated_all():
-                self._updated.clear()  # nothing left for the optimizer graph (CUDA warns of empty graphs)
-                self._optimizer_graph_empty = True
-            else:
-                with torch.cuda.graph(self._optimizer_graph, pool=self._pool):
-                    self._clip_and_step()
-        if not self._optimizer_graph_empty:
-            self._optimizer_graph.replay()
+        if self._optimizer_replay is None:
+            self._optimizer_replay = self._capture_optimizer_step()
+        self._optimizer_replay()
+
+    def _capture_optimizer_step(self) -> Callable[[], None]:
+        if self.overlap_optimizer and self._backward_updated_all():
+            self._updated.clear()  # nothing left for an optimizer graph (CUDA warns of empty graphs)
+            return lambda: None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._clip_and_step()
+        return graph.replay
 
     def _backward_updated_all(self) -> bool:
         return all(param.grad is None or param in self._updated for param in self.params)

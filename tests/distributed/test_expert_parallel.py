@@ -111,7 +111,7 @@ def test_dispatch_packs_tokens_weights_and_ids_into_one_row(widths):
     from moetune.distributed.allgather_dispatcher import _as_bytes, _unpack
 
     hidden, top_k, tokens = widths
-    parts = [torch.randn(tokens, hidden).bfloat16(), torch.rand(tokens, top_k), torch.randint(0, 128, (tokens, top_k)).int()]
+    parts = [torch.randn(tokens, hidden).bfloat16(), torch.rand(tokens, top_k), torch.randint(0, 128, (tokens, top_k))]
     packed = torch.cat([_as_bytes(part) for part in parts], 1)
     assert packed.shape[1] % 8 == 0
     for got, want in zip(_unpack(packed, parts), parts, strict=True):
