@@ -171,8 +171,6 @@ def main() -> None:
     parser.add_argument("--routing", choices=["real", "balanced"], default="real")
     parser.add_argument("--cuda-graph", action="store_true")
     parser.add_argument("--overlap-optimizer", action="store_true", help="with --cuda-graph: updates during backward")
-    parser.add_argument("--fuse-expert-updates", action="store_true",
-                        help="with --overlap-optimizer: the experts' updates inside their weight-gradient GEMM")  # fmt: skip
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--graph-warmup-steps", type=int, default=2,
                         help="with --cuda-graph: eager steps before the capture (more than the run's steps: the "
@@ -197,8 +195,7 @@ def main() -> None:
         from moetune.training import CUDAGraphTrainStep
 
         graphed = CUDAGraphTrainStep(model, opt, warmup_steps=args.graph_warmup_steps,
-                                     overlap_optimizer=args.overlap_optimizer,
-                                     fuse_expert_updates=args.fuse_expert_updates)
+                                     overlap_optimizer=args.overlap_optimizer)
         step = lambda: graphed(input_ids=ids, labels=ids)  # noqa: E731
     else:
 

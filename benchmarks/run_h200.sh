@@ -15,8 +15,6 @@
 #             experts and the DeepSeek-V3 / GPT-OSS / Nemotron-H bf16 parity
 #   graph     row A with moetune's step replayed from CUDA graphs, updates during the backward
 #             (--moetune-cuda-graph --moetune-overlap-optimizer)
-#   graphalone  row A graphed, moetune alone (with EXTRA: an A/B of a moetune option)
-#   fusedprobe  benchmarks/fused_update_probe.py: the experts' weight gradient + AdamW, unfused vs fused
 #   graphtriton  moetune alone, graphed, with experts_backend=triton (Triton row GEMMs)
 #   graph16l  moetune alone at 16 layers, eager and graphed (the one-GPU reference of row B)
 #   profile   benchmarks/profile_step.py: kernels and GPU idle time of one step, eager and graphed
@@ -90,17 +88,6 @@ if stage graph; then
   echo "== row A, moetune's step replayed from CUDA graphs (Transformers side measured in the same run)"
   bench 150 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --moetune-optimizer moetune --moetune-cuda-graph \
     --moetune-overlap-optimizer
-fi
-
-if stage graphalone; then
-  echo "== row A graphed, moetune alone (A/B of moetune variants through EXTRA)"
-  bench 120 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune \
-    --moetune-cuda-graph --moetune-overlap-optimizer
-fi
-
-if stage fusedprobe; then
-  echo "== experts' weight gradients + AdamW: CUTLASS then the AdamW kernel vs the fused epilogue"
-  timeout 240 python benchmarks/fused_update_probe.py ${PROBE_EXTRA:-} | tee "$OUT/fused_update_probe.jsonl" || status=1
 fi
 
 if stage graphtriton; then

@@ -83,11 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --moetune-cuda-graph and --moetune-optimizer moetune: each parameter's AdamW update runs during "
         "the backward on a low-priority stream, as soon as its gradient is final (same update, no clipping)",
     )
-    p.add_argument(
-        "--moetune-fuse-expert-updates", action="store_true",
-        help="with --moetune-overlap-optimizer: the experts' AdamW update runs inside their weight-gradient GEMM "
-        "(moetune's Triton kernel; the gradient is never stored)",
-    )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
         "--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path"
@@ -142,9 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.moetune_overlap_optimizer and not (args.moetune_cuda_graph and args.moetune_optimizer == "moetune"):
         teardown(env)
         raise SystemExit("--moetune-overlap-optimizer needs --moetune-cuda-graph and --moetune-optimizer moetune")
-    if args.moetune_fuse_expert_updates and not args.moetune_overlap_optimizer:
-        teardown(env)
-        raise SystemExit("--moetune-fuse-expert-updates needs --moetune-overlap-optimizer")
     if args.moetune_cuda_graph and args.moetune_optimizer == "moetune-in-backward":
         teardown(env)
         raise SystemExit("--moetune-cuda-graph cannot capture --moetune-optimizer moetune-in-backward")
@@ -219,7 +211,6 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "moetune_optimizer": args.moetune_optimizer,
             "moetune_cuda_graph": args.moetune_cuda_graph,
             "moetune_overlap_optimizer": args.moetune_overlap_optimizer,
-            "moetune_fuse_expert_updates": args.moetune_fuse_expert_updates,
             "moetune_options": _moetune_options(args),
         },
         "model_config": config.to_dict(),
@@ -352,7 +343,6 @@ def _bench_side(
         peak_tflops=data["matmul_peak_tflops"], warmup=args.warmup, steps=args.steps, seed=args.seed, lr=args.lr,
         on_result=on_result, moetune_optimizer=args.moetune_optimizer, moetune_cuda_graph=args.moetune_cuda_graph,
         moetune_overlap_optimizer=args.moetune_overlap_optimizer,
-        moetune_fuse_expert_updates=args.moetune_fuse_expert_updates,
     )
     del bench
     _free(env)

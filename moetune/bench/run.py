@@ -102,14 +102,12 @@ def run_rows(
     moetune_optimizer: str = "torch",
     moetune_cuda_graph: bool = False,
     moetune_overlap_optimizer: bool = False,
-    moetune_fuse_expert_updates: bool = False,
 ) -> list[RowResult]:
     """Time every row on one built model with one optimizer (its states persist across rows, as in
     a real run; both sides run the same rows in the same order, so they see the same history).
     ``on_result`` sees each row as soon as it is measured. ``moetune_cuda_graph``: moetune's steps
     replay CUDA graphs (``moetune.training.CUDAGraphTrainStep``), with each parameter's update run
-    during the backward if ``moetune_overlap_optimizer`` (the experts' inside their weight-gradient GEMM if
-    ``moetune_fuse_expert_updates``)."""
+    during the backward if ``moetune_overlap_optimizer``."""
     is_moetune = bench.side == "moetune"
     kind = moetune_optimizer if is_moetune else "torch"  # Transformers keeps torch's fused AdamW
     cuda_graph = moetune_cuda_graph and is_moetune
@@ -119,8 +117,7 @@ def run_rows(
         result = RowResult(bench.side, row)
         try:
             _run_row(bench, optimizer, row, result, env=env, warmup=warmup, steps=steps, seed=seed, cuda_graph=cuda_graph,
-                     overlap_optimizer=moetune_overlap_optimizer and is_moetune,
-                     fuse_expert_updates=moetune_fuse_expert_updates and is_moetune)  # fmt: skip
+                     overlap_optimizer=moetune_overlap_optimizer and is_moetune)  # fmt: skip
         except Exception as error:  # noqa: BLE001 -- one failing row must not lose the others
             if env.distributed:  # a failure on one rank leaves the others waiting in a collective
                 raise
@@ -143,7 +140,6 @@ def _run_row(
     bench: BenchModel, optimizer, row: Row, result: RowResult, *, env: RunEnv, warmup: int, steps: int, seed: int,
     cuda_graph: bool = False,
     overlap_optimizer: bool = False,
-    fuse_expert_updates: bool = False,
 ) -> None:
     input_ids_BS = tokens(
         vocab_size=bench.config.vocab_size, micro_batch=row.micro_batch, seq_len=row.seq_len,
@@ -168,7 +164,7 @@ def _run_row(
             raise ValueError(f"the CUDA-graph side needs at least 2 warm-up steps (eager, capture), got {warmup}")
         graphed = CUDAGraphTrainStep(
             bench.model, optimizer, warmup_steps=1, loss_fn=lambda _, b: bench.loss(b["input_ids"]),
-            overlap_optimizer=overlap_optimizer, fuse_expert_updates=fuse_expert_updates,
+            overlap_optimizer=overlap_optimizer,
         )
 
         def forward_backward() -> torch.Tensor:

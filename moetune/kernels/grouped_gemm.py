@@ -9,14 +9,11 @@ Two kernels, both with the group boundaries on the device (no host sync, CUDA-gr
   padding: left unwritten. ``b`` may have any strides (a transposed view of a weight).
 - ``grouped_weight_grad(p, q, offsets_E, *, out=, q_gather_order=, top_k=)``: ragged K.
   ``out[e] = p[rows_e]^T @ q[rows_e]``, the weight gradient of the GEMM above; an expert with no
-  rows gets zeros; ``q``'s rows may be gathered the same way. With ``adamw=`` the epilogue applies
-  the optimizer's AdamW update to the weight instead of storing the gradient.
+  rows gets zeros; ``q``'s rows may be gathered the same way.
 
 Why: torch's ``_grouped_mm`` (CUTLASS) runs these shapes (128 experts of ~256 rows, H 2048, I 768)
 at ~440 TFLOP/s on an H200 while dense GEMMs reach 700-800, and the dispatch gather is a separate
-bandwidth-bound pass; ``benchmarks/grouped_gemm_probe.py`` measures both against this file. The
-AdamW epilogue saves the gradient's round trip through memory: the experts' optimizer step streams
-14 bytes per bf16 element, the epilogue 12 (``benchmarks/fused_update_probe.py``).
+bandwidth-bound pass; ``benchmarks/grouped_gemm_probe.py`` measures both against this file.
 
 How the ragged M tiles find their expert: each program loads the E group ends (one small vector),
 counts the M tiles of every group (``cdiv(count, BLOCK_M)``), takes their running sum and finds its
@@ -31,7 +28,6 @@ from __future__ import annotations
 import torch
 
 from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton
-from moetune.kernels.adamw_update import AdamWUpdate, adamw_update_reference
 
 
 def grouped_rows_mm_reference(
@@ -66,13 +62,9 @@ def grouped_weight_grad_reference(
 # benchmarks/grouped_gemm_probe.py. Overridable for the probe through ``config=``.
 ROWS_CONFIG = (128, 128, 64, 8, 4)
 WEIGHT_GRAD_CONFIG = (128, 128, 64, 8, 4)
-# With the AdamW epilogue the kernel is bound by the epilogue's 12 bytes per element: fewer stages
-# leave shared memory for two programs per SM, so one's epilogue overlaps the other's GEMM.
-WEIGHT_GRAD_ADAMW_CONFIG = (128, 128, 64, 8, 3)
 
 
 if HAS_TRITON:
-    from moetune.kernels.adamw_update import adamw_math
 
     @triton.jit
     def _group_of_tile(offsets_ptr, tile, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -130,11 +122,7 @@ if HAS_TRITON:
         p_ptr, q_ptr, order_ptr, out_ptr, offsets_ptr,
         M, num_cols, top_k,
         stride_pn, stride_pm, stride_qn, stride_qc, stride_oe, stride_om, stride_oc,
-        exp_avg_ptr, exp_avg_sq_ptr,
-        lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
-        lr_ptr, step_ptr, log2_beta1, log2_beta2,
-        GATHER: tl.constexpr, ADAMW: tl.constexpr, LR_ON_DEVICE: tl.constexpr, STEP_ON_DEVICE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
         # Program = (group, M tile, column tile), group outermost: the tiles of one group run
         # together and share its rows of p and q in L2. The reduction runs over the group's rows.
@@ -162,22 +150,8 @@ if HAS_TRITON:
             q = tl.load(q_ptr + src[:, None] * stride_qn + cols[None, :] * stride_qc,
                         mask=r_mask[:, None] & col_mask[None, :], other=0.0)  # fmt: skip
             acc = tl.dot(p, q, acc)
-        offsets = group.to(tl.int64) * stride_oe + ms[:, None] * stride_om + cols[None, :] * stride_oc
-        mask = m_mask[:, None] & col_mask[None, :]
-        grad = acc.to(out_ptr.dtype.element_ty)
-        if ADAMW:  # out is the parameter; the moments share its strides; the gradient is rounded as stored
-            param, exp_avg, exp_avg_sq = adamw_math(
-                tl.load(out_ptr + offsets, mask=mask).to(tl.float32), grad.to(tl.float32),
-                tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32),
-                tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32),
-                lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
-                lr_ptr, step_ptr, log2_beta1, log2_beta2, LR_ON_DEVICE, STEP_ON_DEVICE,
-            )  # fmt: skip
-            tl.store(out_ptr + offsets, param.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.store(exp_avg_ptr + offsets, exp_avg.to(exp_avg_ptr.dtype.element_ty), mask=mask)
-            tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
-        else:
-            tl.store(out_ptr + offsets, grad, mask=mask)
+        out_ptrs = out_ptr + group.to(tl.int64) * stride_oe + ms[:, None] * stride_om + cols[None, :] * stride_oc
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & col_mask[None, :])
 
 
 def _check_operands(name: str, a: torch.Tensor, offsets_E: torch.Tensor, gather_order: torch.Tensor | None) -> None:
@@ -222,49 +196,30 @@ def grouped_rows_mm(
 def grouped_weight_grad(
     p: torch.Tensor, q: torch.Tensor, offsets_E: torch.Tensor, *,
     out: torch.Tensor | None = None, q_gather_order: torch.Tensor | None = None, top_k: int = 1,
-    adamw: AdamWUpdate | None = None, impl: Impl = "auto", config: tuple[int, int, int, int, int] | None = None,
+    impl: Impl = "auto", config: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """[E, M, C] with ``out[e] = p[rows_e]^T @ q_rows[rows_e]`` (rows_e = offsets[e-1]:offsets[e];
     ``q_rows = q[q_gather_order // top_k]`` with a gather); written into ``out`` when given (any
-    strides: the layout of the weight whose gradient this is).
-
-    With ``adamw`` (moments with ``out``'s shape and strides), ``out`` is the weight itself and each
-    tile of the gradient updates it in the epilogue instead of being stored: the gradient's write
-    and the optimizer's read of it (4 of AdamW's 14 bytes per bf16 element) never happen. Same
-    update as ``moetune.optim.AdamW`` applied to the gradient rounded to the weight's dtype."""
+    strides: the layout of the weight whose gradient this is)."""
     _check_operands("grouped_weight_grad", p, offsets_E, q_gather_order)
     num_experts = offsets_E.numel()
     shape = (num_experts, p.shape[1], q.shape[1])
     if out is not None and tuple(out.shape) != shape:
         raise ValueError(f"grouped_weight_grad: out must be {shape}, got {tuple(out.shape)}")
-    if adamw is not None:
-        if out is None:
-            raise ValueError("grouped_weight_grad: adamw updates the weight passed as out; out is missing")
-        adamw.viewed_as(out, out)  # the moments must share out's shape and strides (raises otherwise)
     if not use_triton(impl, p, q):
         result = grouped_weight_grad_reference(p, q, offsets_E, q_gather_order=q_gather_order, top_k=top_k)
-        if adamw is not None:
-            adamw_update_reference(out, result, adamw)
-            return out
         return result if out is None else out.copy_(result)
     out = torch.empty(shape, dtype=p.dtype, device=p.device) if out is None else out
     if out.numel() == 0:
         return out
-    block_m, block_n, block_k, num_warps, num_stages = config or (
-        WEIGHT_GRAD_ADAMW_CONFIG if adamw is not None else WEIGHT_GRAD_CONFIG
-    )
-    if adamw is None:
-        moments, (scalars, flags) = (out, out), AdamWUpdate(out, out, 0.0, 0.0, 0.0, 0.0, 0.0, 1).kernel_args(out)
-    else:
-        moments, (scalars, flags) = (adamw.exp_avg, adamw.exp_avg_sq), adamw.kernel_args(out)
+    block_m, block_n, block_k, num_warps, num_stages = config or WEIGHT_GRAD_CONFIG
     grid = (num_experts * triton.cdiv(shape[1], block_m) * triton.cdiv(shape[2], block_n),)
     with device_of(p):
         _grouped_weight_grad_kernel[grid](
             p, q, q_gather_order if q_gather_order is not None else offsets_E, out, offsets_E,
             shape[1], shape[2], top_k,
             p.stride(0), p.stride(1), q.stride(0), q.stride(1), out.stride(0), out.stride(1), out.stride(2),
-            *moments, *scalars,
-            GATHER=q_gather_order is not None, ADAMW=adamw is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages, **flags,
+            GATHER=q_gather_order is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip
     return out

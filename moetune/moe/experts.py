@@ -10,23 +10,16 @@ held by this module.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moetune.kernels import moe_permute, swiglu
 from moetune.kernels._triton_utils import Impl
-from moetune.kernels.adamw_update import AdamWUpdate
 from moetune.kernels.grouped_gemm import grouped_rows_mm, grouped_weight_grad
 from moetune.kernels.permute import permute_rows, permute_rows_backward
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-WeightUpdate = Callable[[], AdamWUpdate | None]
-"""Called in the backward: the optimizer's update to apply in the weight-gradient GEMM, or None."""
 
 EXPERTS_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 """``auto``: torch's grouped GEMM on CUDA bf16, the per-expert loop elsewhere; ``triton``: moetune's
@@ -94,10 +87,6 @@ class GroupedExperts(nn.Module):
         self._act = None if activation == "clamped_swiglu" else _activation(activation)
         in_width = 2 * intermediate_size if gated else intermediate_size
         self._in_name = "gate_up_proj" if gated else "up_proj"
-        # Set by CUDAGraphTrainStep(fuse_expert_updates=True): called in the backward with a weight,
-        # returns the optimizer's update for the weight-gradient GEMM to apply in its epilogue (the
-        # gradient is then never stored), or None (the gradient is produced as usual).
-        self.weight_update: Callable[[nn.Parameter], AdamWUpdate | None] | None = None
         for name, out_dim, in_dim in ((self._in_name, in_width, hidden_size), ("down_proj", hidden_size, intermediate_size)):
             shape = (num_experts, in_dim, out_dim) if transposed else (num_experts, out_dim, in_dim)
             self.register_parameter(name, nn.Parameter(torch.empty(shape)))
@@ -123,11 +112,8 @@ class GroupedExperts(nn.Module):
         if self.is_transposed:  # views in the [E, out, in] layout run_experts takes
             in_proj, down_proj = in_proj.transpose(-2, -1), down_proj.transpose(-2, -1)
         biases = {}
-        if self.weight_update is not None:
-            biases = {"in_update": functools.partial(self.weight_update, self.in_proj),
-                      "down_update": functools.partial(self.weight_update, self.down_proj)}  # fmt: skip
         if self.has_bias:
-            biases.update(in_bias=_local(getattr(self, f"{self._in_name}_bias")), down_bias=_local(self.down_proj_bias))
+            biases = {"in_bias": _local(getattr(self, f"{self._in_name}_bias")), "down_bias": _local(self.down_proj_bias)}
         return run_experts(
             x, tokens_per_expert_E, in_proj, down_proj, activate=self._activate, backend=self.backend,
             gather_order=gather_order, gather_top_k=gather_top_k, **biases,
@@ -180,12 +166,9 @@ def run_experts(
     down_bias: torch.Tensor | None = None,
     gather_order: torch.Tensor | None = None,
     gather_top_k: int = 1,
-    in_update: WeightUpdate | None = None,
-    down_update: WeightUpdate | None = None,
 ) -> torch.Tensor:
     """down_e(activate(in_e(rows))) for rows sorted by expert e; weights [E, out, in] (nn.Linear layout),
-    optional biases [E, out]. ``in_update`` / ``down_update``: see ``GatheredGroupedMM`` (grouped
-    path only; the loop produces gradients).
+    optional biases [E, out].
 
     The rows are ``x`` [N, H] itself, or with ``gather_order`` (N = T * K entries, a permutation of the
     routed slots) ``x[gather_order // gather_top_k]`` for ``x`` [T, H]: the experts gather their input
@@ -203,9 +186,9 @@ def run_experts(
         # No host sync: the group boundaries stay on the device.
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
         x, w_EHX = x.to(in_proj.dtype), in_proj.transpose(-2, -1)
-        rows_backend = "triton" if backend == "triton" else "grouped_mm"
-        if backend == "triton" or gather_order is not None or in_update is not None:
-            h_NX = GatheredGroupedMM.apply(x, w_EHX, gather_order, offsets_E, gather_top_k, "auto", rows_backend, in_update)
+        if backend == "triton" or gather_order is not None:
+            rows_backend = "triton" if backend == "triton" else "grouped_mm"
+            h_NX = GatheredGroupedMM.apply(x, w_EHX, gather_order, offsets_E, gather_top_k, "auto", rows_backend)
         else:
             h_NX = _grouped_mm(x, w_EHX, offs=offsets_E)
         expert_N = None
@@ -214,8 +197,8 @@ def run_experts(
             expert_N = torch.searchsorted(offsets_E, rows, right=True)  # E for padding rows
         h_NX = h_NX if in_bias is None else h_NX + _bias_rows(in_bias, expert_N)
         a_NI = activate(h_NX, offsets_E[-1:])
-        if backend == "triton" or down_update is not None:
-            y_NH = GatheredGroupedMM.apply(a_NI, down_proj.transpose(-2, -1), None, offsets_E, 1, "auto", rows_backend, down_update)
+        if backend == "triton":
+            y_NH = GatheredGroupedMM.apply(a_NI, down_proj.transpose(-2, -1), None, offsets_E, 1, "auto", "triton")
         else:
             y_NH = _grouped_mm(a_NI, down_proj.transpose(-2, -1), offs=offsets_E)
         return y_NH if down_bias is None else y_NH + _bias_rows(down_bias, expert_N)
@@ -280,20 +263,12 @@ class GatheredGroupedMM(torch.autograd.Function):
     loads (``"triton"``). The weight gradient is torch's grouped GEMM either way: it runs the
     short-reduction shape (~256 rows per expert) faster than the Triton kernel
     (``benchmarks/results/grouped_gemm_probe_h200_032b0de.jsonl``).
-
-    ``weight_update``: called in the backward; when it returns the optimizer's update (an
-    ``AdamWUpdate`` for the parameter that ``w_EHX`` or its transpose is), the weight-gradient GEMM
-    (moetune's Triton kernel on CUDA) applies it to the weight in its epilogue and no gradient is
-    returned for ``w_EHX``: the gradient's write and the optimizer's read of it never happen
-    (``CUDAGraphTrainStep(fuse_expert_updates=True)``). The data gradient is computed first, from
-    the weight before its update.
     """
 
     @staticmethod
-    def forward(ctx, x_TH, w_EHX, order_N, offsets_E, top_k: int, impl: Impl = "auto", backend: str = "grouped_mm",
-                weight_update: WeightUpdate | None = None):  # fmt: skip
+    def forward(ctx, x_TH, w_EHX, order_N, offsets_E, top_k: int, impl: Impl = "auto", backend: str = "grouped_mm"):
         ctx.save_for_backward(x_TH, w_EHX, order_N, offsets_E)
-        ctx.top_k, ctx.impl, ctx.backend, ctx.weight_update = top_k, impl, backend, weight_update
+        ctx.top_k, ctx.impl, ctx.backend = top_k, impl, backend
         return _rows_mm(x_TH, w_EHX, offsets_E, order_N, top_k, backend=backend, impl=impl)
 
     @staticmethod
@@ -306,35 +281,17 @@ class GatheredGroupedMM(torch.autograd.Function):
             dx_TH = _rows_mm(dh_NX, w_EHX.transpose(-2, -1), offsets_E, None, 1, backend=ctx.backend, impl=ctx.impl)
             if order_N is not None:
                 dx_TH = permute_rows_backward(dx_TH, order_N, ctx.top_k, num_valid=num_valid, impl=ctx.impl)
-        update = ctx.weight_update() if ctx.needs_input_grad[1] and ctx.weight_update is not None else None
-        if update is not None:
-            _update_in_weight_grad(dh_NX, x_TH, w_EHX, order_N, offsets_E, update, top_k=ctx.top_k, impl=ctx.impl)
-        elif ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1]:
             x_NH = x_TH if order_N is None else permute_rows(x_TH, order_N, ctx.top_k, num_valid=num_valid, impl=ctx.impl)
-            column_major = _column_major(w_EHX)
+            # torch's own _grouped_mm_mat2_backward: a column-major weight gets a column-major gradient.
+            column_major = w_EHX.stride(-2) == 1 and w_EHX.stride(-1) == w_EHX.shape[-2]
             p_N, q_N = (dh_NX, x_NH) if column_major else (x_NH, dh_NX)
             if ctx.backend == "grouped_mm" or grouped_mm_supported(x_NH):
                 dw = _grouped_mm(p_N.t(), q_N, offs=offsets_E)
             else:  # the Triton backend off CUDA: the reference loop
                 dw = grouped_weight_grad(p_N, q_N, offsets_E, impl="torch")
             dw_EHX = dw.transpose(-2, -1) if column_major else dw
-        return dx_TH, dw_EHX, None, None, None, None, None, None
-
-
-def _column_major(w_EHX: torch.Tensor) -> bool:
-    # torch's own _grouped_mm_mat2_backward: a column-major weight gets a column-major gradient.
-    return w_EHX.stride(-2) == 1 and w_EHX.stride(-1) == w_EHX.shape[-2]
-
-
-def _update_in_weight_grad(dh_NX, x_TH, w_EHX, order_N, offsets_E, update: AdamWUpdate, *, top_k: int, impl: Impl) -> None:
-    """The weight-gradient GEMM with the AdamW epilogue, into the weight's own layout: [E, out, in]
-    is ``dh^T @ rows`` (the rows gathered inside the kernel's loads), [E, in, out] ``rows^T @ dh``."""
-    if _column_major(w_EHX):
-        weight = w_EHX.transpose(-2, -1)
-        grouped_weight_grad(dh_NX, x_TH, offsets_E, out=weight, q_gather_order=order_N, top_k=top_k, adamw=update, impl=impl)
-    else:
-        x_NH = x_TH if order_N is None else permute_rows(x_TH, order_N, top_k, num_valid=offsets_E[-1:], impl=impl)
-        grouped_weight_grad(x_NH, dh_NX, offsets_E, out=w_EHX, adamw=update, impl=impl)
+        return dx_TH, dw_EHX, None, None, None, None, None
 
 
 def _rows_mm(a, b_EKC, offsets_E, order_N, top_k: int, *, backend: str, impl: Impl) -> torch.Tensor:

@@ -91,7 +91,6 @@ class CUDAGraphTrainStep:
         loss_fn: LossFn = default_loss,
         overlap_optimizer: bool = False,
         micro_batches: int | None = None,
-        fuse_expert_updates: bool = False,
     ) -> None:
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
@@ -99,13 +98,6 @@ class CUDAGraphTrainStep:
             raise ValueError(f"CUDA-graph step: micro_batches must be >= 1, got {micro_batches}")
         if overlap_optimizer:
             _check_overlappable(model, optimizer, max_grad_norm)
-        if fuse_expert_updates and not overlap_optimizer:
-            raise ValueError("CUDA-graph step: fuse_expert_updates is a form of overlap_optimizer; set overlap_optimizer=True")
-        if fuse_expert_updates and (micro_batches or 1) > 1:
-            raise ValueError(
-                "CUDA-graph step: fuse_expert_updates updates the experts from the last micro-batch's gradient alone; "
-                "with gradient accumulation (micro_batches > 1) leave it off"
-            )
         self.model = model
         self.optimizer = optimizer
         self.warmup_steps = warmup_steps
@@ -141,18 +133,12 @@ class CUDAGraphTrainStep:
             [p.register_post_accumulate_grad_hook(self._update_now) for p in self.params if p.requires_grad]
             if overlap_optimizer else []
         )  # fmt: skip
-        self._fused = _fusable_expert_weights(model, self.params) if fuse_expert_updates else {}
-        for experts in self._fused.values():
-            experts.weight_update = self._take_fused_update
 
     def close(self) -> None:
         """Drop the graphs, their static tensors and the update hooks (the model trains eagerly again)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
-        for experts in self._fused.values():
-            experts.weight_update = None
-        self._fused = {}
         self._graphs, self._pool, self._optimizer_replay = {}, None, None
         self._static_batch = None
         self._accumulated = 0
@@ -254,8 +240,6 @@ class CUDAGraphTrainStep:
         when it is replicated), on the update stream."""
         if not self._updating:  # an earlier micro-batch, or a backward of other code (evaluation, a check)
             return
-        if param.grad is None:  # autograd runs the hook for an undefined gradient too: a fused expert update's
-            return
         if param in self._updated:
             raise RuntimeError(
                 f"CUDA-graph step: overlap_optimizer got a second gradient for a {tuple(param.shape)} parameter in "
@@ -269,20 +253,6 @@ class CUDAGraphTrainStep:
         self._update_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._update_stream):
             self._step_after_reduction(param)
-
-    def _take_fused_update(self, param: torch.Tensor):
-        """``GroupedExperts.weight_update`` of ``fuse_expert_updates``: in the step's backward, this expert
-        weight's AdamW update for its weight-gradient GEMM to apply (on the compute stream, where the
-        gradient is produced); None elsewhere (the gradient is then produced as usual)."""
-        if not self._updating or param not in self._fused:
-            return None
-        if param in self._updated:
-            raise RuntimeError(
-                f"CUDA-graph step: fuse_expert_updates got a second weight gradient for a {tuple(param.shape)} expert "
-                "weight in one backward (reentrant activation checkpointing, or experts used twice): turn it off"
-            )
-        self._updated.add(param)
-        return self.optimizer.take_update(param)
 
     def _step_after_reduction(self, param: torch.Tensor) -> None:
         # Read at each update: resize_token_embeddings replaces the model's dense sync in that list.
@@ -409,31 +379,3 @@ def _check_overlappable(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             "CUDA-graph step: overlap_optimizer cannot update FSDP2-sharded parameters during the backward (their "
             "gradients are reduce-scattered after it); use dense_parallel='replicate'"
         )
-
-
-def _fusable_expert_weights(model: torch.nn.Module, params: list[torch.Tensor]) -> dict[torch.Tensor, torch.nn.Module]:
-    """Expert weights whose update can run inside their weight-gradient GEMM -> their experts module:
-    trained by this optimizer, contiguous, and with a gradient that no collective reduces afterwards
-    (an expert-parallel rank's own experts; not those replicated over data-parallel ranks)."""
-    from moetune.moe.experts import GroupedExperts
-
-    if any(type(module).__name__ == "DistributedDataParallel" for module in model.modules()):
-        raise ValueError("CUDA-graph step: fuse_expert_updates cannot run under DistributedDataParallel (it reduces "
-                         "gradients that the fused update never stores); use moetune's dense_parallel='replicate'")  # fmt: skip
-    trained = set(params)
-    syncs = list(getattr(model, "replicated_gradient_syncs", ()))
-    fusable = {}
-    for module in model.modules():
-        if not isinstance(module, GroupedExperts):
-            continue
-        for weight in (module.in_proj, module.down_proj):
-            local = weight.to_local() if hasattr(weight, "to_local") else weight
-            if (weight.requires_grad and weight in trained and local.is_contiguous()
-                    and not any(sync.reduces(weight) for sync in syncs)):  # fmt: skip
-                fusable[weight] = module
-    if not fusable:
-        raise ValueError(
-            "CUDA-graph step: fuse_expert_updates found no expert weight to fuse (none trained by this optimizer, "
-            "or every one's gradient is reduced across data-parallel ranks)"
-        )
-    return fusable

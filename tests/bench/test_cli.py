@@ -95,8 +95,3 @@ def test_bench_runs_every_moetune_family(tmp_path, family):
         hf, ours = rows[("hf", routing)], rows[("moetune", routing)]
         assert hf["error"] is None and ours["error"] is None, routing
         assert abs(hf["losses"][0] - ours["losses"][0]) < 0.05, routing
-
-
-def test_fused_expert_updates_flag_needs_the_overlapped_updates(tmp_path):
-    with pytest.raises(SystemExit, match="--moetune-fuse-expert-updates needs --moetune-overlap-optimizer"):
-        main(["--config", "tiny", "--device", "cpu", "--moetune-fuse-expert-updates", "--out", str(tmp_path)])

@@ -73,7 +73,6 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
     _compare_grads(model, ref, what="allgather + replicate, no_sync() then a synchronised backward")
     uneven_sequences_replicated(rank, world_size, folder)
     overlapped_optimizer_replicated(rank, world_size, folder)
-    fused_expert_updates_replicated(rank, world_size, folder)
     resized_vocabulary_replicated(rank, world_size, folder)
     # torch's multi-tensor AdamW cannot take plain and DTensor parameters in one list: a clear error.
     import pytest
@@ -127,43 +126,6 @@ def overlapped_optimizer_replicated(rank: int, world_size: int, folder: str, *, 
         step(step=torch.tensor(3))
     step.close()
     accumulated_once_per_step_replicated(rank, world_size, folder, ep=ep)
-
-
-def fused_expert_updates_replicated(rank: int, world_size: int, folder: str, *, ep: int | None = None) -> None:
-    """``CUDAGraphTrainStep(fuse_expert_updates=True)`` on a replicated expert-parallel model (the
-    Triton experts path, whose PyTorch references run off CUDA): each rank updates its own experts
-    inside their weight-gradient GEMM and never stores their gradients; the parameters track the plain
-    loop's (backward, then AdamW). With ``ep`` < world the experts' gradients are all-reduced over
-    their replicas, so there is nothing to fuse: a clear error."""
-    import pytest
-
-    from moetune.optim import AdamW
-    from moetune.training import CUDAGraphTrainStep
-
-    options = dict(ALLGATHER_REPLICATE, experts_backend="triton")
-    model, plain = (_load(folder, ep_size=ep or world_size, **options) for _ in range(2))
-    loss_fn = lambda m, batch: distributed_loss(m, int(batch["step"]), rank, world_size, 64)  # noqa: E731
-    optimizer = AdamW(model.parameters(), lr=ADAM_LR, eps=ADAM_EPS)
-    if ep is not None and ep < world_size:
-        with pytest.raises(ValueError, match="no expert weight to fuse"):
-            CUDAGraphTrainStep(model, optimizer, overlap_optimizer=True, fuse_expert_updates=True, loss_fn=loss_fn)
-        return
-    step = CUDAGraphTrainStep(model, optimizer, overlap_optimizer=True, fuse_expert_updates=True, loss_fn=loss_fn)
-    plain_optimizer = AdamW(plain.parameters(), lr=ADAM_LR, eps=ADAM_EPS)
-    experts = [p for n, p in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
-    for i in range(3):
-        loss = step.forward_backward(step=torch.tensor(i))
-        assert experts and all(p.grad is None for p in experts), "an expert gradient was stored"
-        step.optimizer_step()
-        plain_loss = distributed_loss(plain, i, rank, world_size, 64)
-        plain_loss.backward()
-        plain_optimizer.step()
-        plain_optimizer.zero_grad()
-        assert abs(loss.item() - plain_loss.item()) <= 1e-6 * abs(plain_loss.item()), f"fused updates, step {i}"
-        for (name, a), b in zip(model.named_parameters(), plain.parameters()):
-            torch.testing.assert_close(gathered(a.data), gathered(b.data), rtol=1e-5, atol=1e-6,
-                                       msg=f"fused updates, step {i}: {name}")  # fmt: skip
-    step.close()
 
 
 def accumulated_once_per_step_replicated(rank: int, world_size: int, folder: str, *, ep: int | None = None) -> None:

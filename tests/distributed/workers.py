@@ -473,7 +473,6 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
     # The capturable path with two replicas of each expert group: experts replicated, not FSDP2-sharded.
     from tests.distributed.replicate_workers import (
         check_replicas_equal_after_from_config,
-        fused_expert_updates_replicated,
         overlapped_optimizer_replicated,
     )
 
@@ -481,7 +480,6 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
     dcp_resume(rank, world_size, folder, 2, out, **ALLGATHER_REPLICATE)
     check_replicas_equal_after_from_config(rank, world_size, ep=2)
     overlapped_optimizer_replicated(rank, world_size, folder, ep=2)
-    fused_expert_updates_replicated(rank, world_size, folder, ep=2)
     pipelined_dispatch(rank, world_size)
     pipelined_parity(rank, world_size, folder, ep=4, chunks=(3,))
     pipelined_parity(rank, world_size, folder, ep=2, chunks=(3,))  # experts FSDP2-sharded over dp 2: called per chunk

@@ -172,12 +172,6 @@ def test_grouped_gemm_compiles_for_hopper(compile_only):
     grouped_rows_mm(x, w.transpose(1, 2), offsets, gather_order=order, top_k=8, impl="triton")
     grouped_rows_mm(torch.zeros(512, 384, dtype=torch.bfloat16), w, offsets, impl="triton")
     grouped_weight_grad(torch.zeros(512, 384, dtype=torch.bfloat16), x, offsets, q_gather_order=order, top_k=8, impl="triton")
-    # The AdamW epilogue (the capturable step: lr and step on the device), into the [E, out, in] weight.
-    from moetune.kernels.adamw_update import AdamWUpdate
-
-    update = AdamWUpdate(torch.zeros_like(w), torch.zeros_like(w), torch.tensor(1e-5), 0.9, 0.999, 1e-8, 0.0, torch.tensor(2.0))
-    grouped_weight_grad(torch.zeros(512, 384, dtype=torch.bfloat16), x, offsets, out=w, q_gather_order=order, top_k=8,
-                        adamw=update, impl="triton")  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
