@@ -22,7 +22,7 @@
 #                compute-busy, NCCL-busy and exposed NCCL time; traces under $OUT/profile_ep;
 #                with the updates during the backward; PROFILE_EXTRA, PROFILE_LABEL for variants)
 #     envsweep   row B's moetune side alone (real routing), once per setting of ENV_SWEEP ("-" = as is;
-#                e.g. ENV_SWEEP="- NCCL_MAX_NCHANNELS=8")
+#                e.g. ENV_SWEEP="- NCCL_MAX_NCHANNELS=8 A=1,B=2": commas join the variables of one setting)
 #     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/nccl_probe.py): NCCL,
 #                and copy-engine pushes into symmetric memory (--copy-engine)
 set -uo pipefail
@@ -78,7 +78,7 @@ fi
 if stage envsweep; then  # ENV_SWEEP="- NAME=1 NAME=2": row B's moetune side alone (real routing) per setting
   for setting in ${ENV_SWEEP:--}; do
     echo "== moetune alone, graphed EP, environment: $setting"
-    ( [[ "$setting" == - ]] || export "${setting?}"
+    ( if [[ "$setting" != - ]]; then IFS=, read -ra assignments <<< "$setting"; export "${assignments[@]}"; fi
       bench2 150 --routing real --sides moetune --moetune-cuda-graph --moetune-overlap-optimizer "${GRAPHABLE_EP[@]}" ) || status=1
   done
 fi
