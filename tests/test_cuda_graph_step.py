@@ -150,24 +150,6 @@ def test_overlapped_optimizer_checks():
     step.close()  # removes the hooks
 
 
-def test_backward_sm_carveout_is_checked_and_restored():
-    """Off CUDA the carve-out changes no result; the setting is restored after each backward."""
-    model = _model("cpu", torch.float32)
-    for bad in (-1, 2.5, True):
-        with pytest.raises(ValueError, match="backward_sm_carveout must be a non-negative int"):
-            CUDAGraphTrainStep(model, AdamW(model.parameters()), backward_sm_carveout=bad)
-    reference = copy.deepcopy(model)
-    step = CUDAGraphTrainStep(model, AdamW(model.parameters(), lr=1e-2), overlap_optimizer=True, backward_sm_carveout=16)
-    ref_step = CUDAGraphTrainStep(reference, AdamW(reference.parameters(), lr=1e-2), overlap_optimizer=True)
-    seen = []
-    model.lm_head.weight.register_hook(lambda grad: seen.append(torch._C._get_sm_carveout_experimental()))
-    for ids in _batches(2, "cpu"):
-        assert step(input_ids=ids, labels=ids).item() == ref_step(input_ids=ids, labels=ids).item()
-    assert seen == [16, 16] and torch._C._get_sm_carveout_experimental() is None
-    for a, b in zip(model.parameters(), reference.parameters()):
-        assert torch.equal(a, b)
-
-
 def test_rejects_zero_warmup():
     model = _model("cpu", torch.float32)
     with pytest.raises(ValueError, match="warmup_steps must be >= 1"):
@@ -198,9 +180,8 @@ def test_needs_a_capturable_optimizer():
         (1, {"overlap_optimizer": True}),
         (2, {"max_grad_norm": 1.0}),
         (3, {"micro_batches": 3, "overlap_optimizer": True}),
-        (1, {"overlap_optimizer": True, "backward_sm_carveout": 16}),
     ],
-    ids=["one-graph-clipped", "one-graph-overlapped", "two-graphs-clipped", "three-graphs-overlapped", "carveout"],
+    ids=["one-graph-clipped", "one-graph-overlapped", "two-graphs-clipped", "three-graphs-overlapped"],
 )
 def test_graphed_steps_train_like_eager_steps(num_micro_batches, settings):
     """Step by step, the replayed losses, (accumulated) gradients and updates equal an eager loop's

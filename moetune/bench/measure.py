@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -156,9 +155,7 @@ def make_optimizer(
         from moetune.optim import AdamW, AdamWInBackward
 
         if kind == "moetune":
-            max_programs = os.environ.get("MOETUNE_ADAMW_MAX_PROGRAMS")  # an experiment's setting, recorded with the run
-            return AdamW(params, lr=lr, weight_decay=0.0, capturable=capturable,
-                         max_programs=int(max_programs) if max_programs else None)  # fmt: skip
+            return AdamW(params, lr=lr, weight_decay=0.0, capturable=capturable)
         return AdamWInBackward(params, lr=lr, weight_decay=0.0)
     if device.type == "cuda":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True, capturable=capturable)

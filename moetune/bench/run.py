@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -165,7 +164,7 @@ def _run_row(
             raise ValueError(f"the CUDA-graph side needs at least 2 warm-up steps (eager, capture), got {warmup}")
         graphed = CUDAGraphTrainStep(
             bench.model, optimizer, warmup_steps=1, loss_fn=lambda _, b: bench.loss(b["input_ids"]),
-            overlap_optimizer=overlap_optimizer, backward_sm_carveout=_env_int("MOETUNE_BACKWARD_SM_CARVEOUT"),
+            overlap_optimizer=overlap_optimizer,
         )
 
         def forward_backward() -> torch.Tensor:
@@ -209,9 +208,3 @@ def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _env_int(name: str) -> int | None:
-    """An experiment's integer setting from the environment (recorded with the run's MOETUNE_* variables)."""
-    value = os.environ.get(name)
-    return None if value in (None, "") else int(value)

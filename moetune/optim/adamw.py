@@ -35,7 +35,7 @@ if HAS_TRITON:
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, num_elements,
         lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
         lr_ptr, step_ptr, log2_beta1, log2_beta2,
-        BLOCK: tl.constexpr, LR_ON_DEVICE: tl.constexpr, STEP_ON_DEVICE: tl.constexpr, PERSISTENT: tl.constexpr,
+        BLOCK: tl.constexpr, LR_ON_DEVICE: tl.constexpr, STEP_ON_DEVICE: tl.constexpr,
     ):  # fmt: skip
         if LR_ON_DEVICE:
             lr = tl.load(lr_ptr).to(tl.float32)
@@ -43,20 +43,7 @@ if HAS_TRITON:
             step = tl.load(step_ptr).to(tl.float32)
             bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
             bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
-        if PERSISTENT:  # a capped grid: each program strides over the blocks
-            for block in range(tl.program_id(0), tl.cdiv(num_elements, BLOCK), tl.num_programs(0)):
-                _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, num_elements, block, lr, beta1, beta2,
-                             eps, weight_decay, bias_correction1, bias_correction2_sqrt, BLOCK)  # fmt: skip
-        else:
-            _adamw_block(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, num_elements, tl.program_id(0), lr, beta1,
-                         beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, BLOCK)  # fmt: skip
-
-    @triton.jit
-    def _adamw_block(
-        param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, num_elements, block,
-        lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        offsets = tl.cast(block, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < num_elements
         param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
         grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
@@ -82,10 +69,6 @@ class AdamW(torch.optim.Optimizer):
     ``capturable=True`` (CUDA parameters and Triton only) keeps each ``step`` and every group's
     ``lr`` as device tensors read by the kernel: no host value is baked into the launches, so the
     step can be captured in a CUDA graph.
-
-    ``max_programs`` caps each launch's grid (the programs stride over the blocks): updates that run
-    beside other kernels (``CUDAGraphTrainStep(overlap_optimizer=True)``) then hold at most that many
-    SMs' worth of programs, e.g. the SMs that ``backward_sm_carveout`` keeps the GEMMs off.
     """
 
     def __init__(
@@ -97,11 +80,7 @@ class AdamW(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         capturable: bool = False,
-        max_programs: int | None = None,
     ) -> None:
-        if max_programs is not None and (isinstance(max_programs, bool) or not isinstance(max_programs, int) or max_programs < 1):
-            raise ValueError(f"AdamW: max_programs must be a positive int or None, got {max_programs!r}")
-        self.max_programs = max_programs
         if float(lr) < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyper-parameters: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=capturable)
@@ -157,13 +136,13 @@ class AdamW(torch.optim.Optimizer):
         if group["capturable"]:  # step already incremented on the device (``step``)
             _triton_step(local, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                          lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], step=state["step"], max_programs=self.max_programs)  # fmt: skip
+                         weight_decay=group["weight_decay"], step=state["step"])  # fmt: skip
         elif HAS_TRITON and local.is_cuda and local.is_contiguous() and _local(param.grad).is_contiguous():
             state["step"] += 1
             step = int(state["step"].item())  # a host tensor: no device sync
             _triton_step(local, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                          lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], step=step, max_programs=self.max_programs)  # fmt: skip
+                         weight_decay=group["weight_decay"], step=step)  # fmt: skip
         else:  # increments state["step"] itself
             torch.optim._functional.adamw(
                 [param], [param.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
@@ -236,11 +215,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else tensor
 
 
-def _triton_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
-                 max_programs: int | None = None) -> None:  # fmt: skip
+def _triton_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step) -> None:
     """One AdamW update of one tensor. ``lr`` and ``step`` are Python numbers (bias corrections on
-    the host) or 0-d fp32 device tensors (read by the kernel, for CUDA-graph capture); at most
-    ``max_programs`` programs (each striding over the blocks) when given."""
+    the host) or 0-d fp32 device tensors (read by the kernel, for CUDA-graph capture)."""
     num_elements = param.numel()
     if num_elements == 0:
         return
@@ -248,15 +225,12 @@ def _triton_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, wei
     host_lr = 0.0 if lr_on_device else lr
     bias_correction1 = 1.0 if step_on_device else 1.0 - beta1**step
     bias_correction2_sqrt = 1.0 if step_on_device else math.sqrt(1.0 - beta2**step)
-    num_blocks = triton.cdiv(num_elements, _BLOCK)
-    persistent = max_programs is not None and max_programs < num_blocks
     with device_of(param):
-        _adamw_kernel[(max_programs if persistent else num_blocks,)](
+        _adamw_kernel[(triton.cdiv(num_elements, _BLOCK),)](
             param, grad, exp_avg, exp_avg_sq, num_elements,
             host_lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
             lr if lr_on_device else param, step if step_on_device else param, _log2(beta1), _log2(beta2),
-            BLOCK=_BLOCK, LR_ON_DEVICE=lr_on_device, STEP_ON_DEVICE=step_on_device, PERSISTENT=persistent,
-            num_warps=_NUM_WARPS,
+            BLOCK=_BLOCK, LR_ON_DEVICE=lr_on_device, STEP_ON_DEVICE=step_on_device, num_warps=_NUM_WARPS,
         )  # fmt: skip
 
 

@@ -91,7 +91,6 @@ class CUDAGraphTrainStep:
         loss_fn: LossFn = default_loss,
         overlap_optimizer: bool = False,
         micro_batches: int | None = None,
-        backward_sm_carveout: int | None = None,
     ) -> None:
         if warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (lazy initialisation cannot be captured), got {warmup_steps}")
@@ -99,8 +98,6 @@ class CUDAGraphTrainStep:
             raise ValueError(f"CUDA-graph step: micro_batches must be >= 1, got {micro_batches}")
         if overlap_optimizer:
             _check_overlappable(model, optimizer, max_grad_norm)
-        _check_carveout(backward_sm_carveout)
-        self.backward_sm_carveout = backward_sm_carveout
         self.model = model
         self.optimizer = optimizer
         self.warmup_steps = warmup_steps
@@ -229,8 +226,7 @@ class CUDAGraphTrainStep:
             loss = self.loss_fn(self.model, batch)
             self._updating = last
             try:
-                with _sm_carveout(self.backward_sm_carveout if last else None):
-                    loss.backward()
+                loss.backward()
             finally:
                 self._updating = False
         # The updates launched by the gradient hooks (only a step's last backward launches any; a
@@ -383,27 +379,3 @@ def _check_overlappable(model: torch.nn.Module, optimizer: torch.optim.Optimizer
             "CUDA-graph step: overlap_optimizer cannot update FSDP2-sharded parameters during the backward (their "
             "gradients are reduce-scattered after it); use dense_parallel='replicate'"
         )
-
-
-def _check_carveout(carveout: int | None) -> None:
-    if carveout is None:
-        return
-    if isinstance(carveout, bool) or not isinstance(carveout, int) or carveout < 0:
-        raise ValueError(f"CUDA-graph step: backward_sm_carveout must be a non-negative int or None, got {carveout!r}")
-    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
-        raise ValueError(f"CUDA-graph step: backward_sm_carveout needs torch's SM carve-out (torch {torch.__version__} lacks it)")
-
-
-@contextlib.contextmanager
-def _sm_carveout(carveout: int | None):
-    """Make cuBLAS(Lt) and torch's CUTLASS grouped GEMMs launched inside leave ``carveout`` SMs free
-    (torch's experimental global setting, read at each launch, so a capture bakes it in)."""
-    if not carveout:
-        yield
-        return
-    previous = torch._C._get_sm_carveout_experimental()
-    torch._C._set_sm_carveout_experimental(carveout)
-    try:
-        yield
-    finally:
-        torch._C._set_sm_carveout_experimental(previous)

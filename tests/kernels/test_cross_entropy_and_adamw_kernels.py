@@ -68,28 +68,3 @@ def test_adamw_kernel_reads_lr_and_step_from_the_device_in_interpreter(interpret
     _triton_step(*device, lr=torch.tensor(3e-3), step=torch.tensor(7.0), **settings)
     for got, want in zip(device, host):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
-
-
-def test_adamw_kernel_with_a_capped_grid_in_interpreter(interpret):
-    """max_programs: fewer programs striding over the blocks give the same update, bit for bit."""
-    from moetune.optim.adamw import _triton_step
-
-    torch.manual_seed(0)
-    tensors = [torch.randn(10_000), torch.randn(10_000), torch.randn(10_000) * 0.1, torch.rand(10_000) * 0.1]
-    full, capped = [t.clone() for t in tensors], [t.clone() for t in tensors]
-    settings = dict(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.1, step=3)
-    _triton_step(*full, **settings)
-    _triton_step(*capped, max_programs=3, **settings)  # 10 blocks of 1024 over 3 programs
-    assert not torch.equal(full[0], tensors[0])
-    for got, want in zip(capped, full):
-        assert torch.equal(got, want)
-
-
-def test_adamw_max_programs_is_checked():
-    from moetune.optim import AdamW
-
-    param = torch.nn.Parameter(torch.zeros(3))
-    for bad in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match="max_programs must be a positive int"):
-            AdamW([param], max_programs=bad)
-    assert AdamW([param], max_programs=16).max_programs == 16
