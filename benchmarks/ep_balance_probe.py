@@ -1,6 +1,6 @@
 """How unevenly expert parallelism splits the routed rows over the ranks, layer by layer, with the
 benchmark's real routing (a random-init router on random tokens), and what a load-balanced expert
-placement would leave.
+placement (``moetune.distributed.placement``, the bench's ``--moetune-rebalance-experts``) would leave.
 
 With the all-gather dispatcher every rank runs its experts on the routed copies of all ranks' tokens
 and each MoE layer ends in a reduce-scatter, so each layer runs at the pace of the rank with the most
@@ -24,18 +24,13 @@ import torch
 import transformers
 
 from moetune.bench.models import load_config
+from moetune.distributed.placement import balanced_expert_order
 
 
 def balanced_partition(loads: list[int], ranks: int) -> list[int]:
-    """Rows per rank when experts (``loads``) are placed largest first on the least-loaded rank that
-    still has room (equal expert counts per rank)."""
-    per_rank = len(loads) // ranks
-    rows, sizes = [0] * ranks, [0] * ranks
-    for load in sorted(loads, reverse=True):
-        rank = min((r for r in range(ranks) if sizes[r] < per_rank), key=lambda r: rows[r])
-        rows[rank] += load
-        sizes[rank] += 1
-    return rows
+    """Rows per rank under moetune's load-balanced placement (``balanced_expert_order``)."""
+    order = balanced_expert_order(torch.tensor(loads), ranks)
+    return torch.tensor(loads)[order].view(ranks, -1).sum(1).tolist()
 
 
 def main() -> None:

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --moetune-cuda-graph and --moetune-optimizer moetune: each parameter's AdamW update runs during "
         "the backward on a low-priority stream, as soon as its gradient is final (same update, no clipping)",
     )
+    p.add_argument(
+        "--moetune-rebalance-experts", action="store_true",
+        help="moetune side: relabel each layer's experts so that the expert-parallel ranks get balanced loads, "
+        "counted on one calibration sequence per rank (moetune.distributed.placement; the same model function)",
+    )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
         "--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path"
@@ -211,6 +216,7 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "moetune_optimizer": args.moetune_optimizer,
             "moetune_cuda_graph": args.moetune_cuda_graph,
             "moetune_overlap_optimizer": args.moetune_overlap_optimizer,
+            "moetune_rebalance_experts": args.moetune_rebalance_experts,
             "moetune_options": _moetune_options(args),
         },
         "model_config": config.to_dict(),
@@ -316,6 +322,7 @@ def _bench_side(
         bench = build_side(
             side, config, device=env.device, dtype=torch.bfloat16, seed=args.seed, world_size=env.world_size,
             balanced_gate=rows[0].routing == "balanced", options=_moetune_options(args),
+            rebalance_seq_len=max(row.seq_len for row in rows) if args.moetune_rebalance_experts else None,
         )
     except Exception as error:  # noqa: BLE001 -- report the side as failed and keep the other one
         if env.distributed and not isinstance(error, SideUnavailable):

@@ -286,8 +286,12 @@ def build_moetune(
     balanced_gate: bool = False,
     round_to: torch.dtype | None = None,
     options: dict[str, Any] | None = None,
+    rebalance_seq_len: int | None = None,
 ) -> BenchModel:
-    """``options``: extra ``MoetuneOptions`` for ``from_config`` (e.g. ``ep_capacity_factor``)."""
+    """``options``: extra ``MoetuneOptions`` for ``from_config`` (e.g. ``ep_capacity_factor``).
+    ``rebalance_seq_len``: relabel the experts so that the expert-parallel ranks get balanced loads
+    (``moetune.distributed.placement``), counted on one calibration sequence of this length per rank
+    (other tokens than the measured ones)."""
     import moetune
     from moetune.models import set_moe_options
 
@@ -311,6 +315,11 @@ def build_moetune(
     init_weights(model, seed=seed, round_to=round_to)
     if world_size > 1:
         notes["sharded_weights_match"] = sharded_weights_match(model, seed=seed)
+    if rebalance_seq_len:  # counted with the real router, whatever the first row's routing
+        set_moe_options(model, balanced_gate=False)
+        notes["expert_placement"] = _rebalance(model, config, device=device, seed=seed, seq_len=rebalance_seq_len,
+                                               num_ranks=options.get("ep_size", world_size))  # fmt: skip
+        set_moe_options(model, balanced_gate=balanced_gate)
     notes["class"] = f"{type(model).__module__}.{type(model).__name__}"
     notes["experts_backend"] = _moetune_experts_backend(model, device, dtype)
     model.train()
@@ -323,10 +332,35 @@ def build_moetune(
     return BenchModel("moetune", model, config, routing, notes=notes)
 
 
+def _rebalance(model, config, *, device: torch.device, seed: int, seq_len: int, num_ranks: int) -> dict[str, Any]:
+    """Relabel the experts for balanced expert-parallel loads; returns the busiest rank's routed rows
+    over the mean, averaged over the MoE layers, before and after (on the calibration tokens)."""
+    import torch.distributed as dist
+
+    from moetune.distributed.placement import expert_loads, rebalance_experts
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    generator = torch.Generator(device=device).manual_seed(seed + 1_000_000 + rank)  # not the measured tokens
+    ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=generator, device=device)
+    loads = expert_loads(model, [{"input_ids": ids}])
+    orders = rebalance_experts(model, loads, num_ranks=num_ranks)
+
+    def busiest(rows: torch.Tensor) -> float:
+        per_rank = rows.view(num_ranks, -1).sum(1).float()
+        return (per_rank.max() / per_rank.mean()).item()
+
+    before = [busiest(loads[name]) for name in orders]
+    after = [busiest(loads[name][order]) for name, order in orders.items()]
+    return {"num_ranks": num_ranks, "calibration_tokens_per_rank": seq_len,
+            "busiest_rank_over_mean_before": round(sum(before) / len(before), 4) if before else None,
+            "busiest_rank_over_mean_after": round(sum(after) / len(after), 4) if after else None}  # fmt: skip
+
+
 def build_side(side: str, config: transformers.PretrainedConfig, **kwargs: Any) -> BenchModel:
     if side == "hf":
         kwargs.pop("balanced_gate", None)
         kwargs.pop("options", None)
+        kwargs.pop("rebalance_seq_len", None)
         return build_hf(config, **kwargs)
     if side == "moetune":
         return build_moetune(config, **kwargs)

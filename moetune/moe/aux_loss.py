@@ -17,11 +17,13 @@ from moetune.moe.routing import Routing
 @contextlib.contextmanager
 def capture_router_logits(model: nn.Module, router_type: type[nn.Module]) -> Iterator[list[torch.Tensor]]:
     """Collect every router's logits during one forward (hooks removed on exit, so recomputation
-    under activation checkpointing does not append twice)."""
+    under activation checkpointing does not append twice), with their columns in the Hub checkpoint's
+    expert order when the experts were relabelled (``moetune.distributed.placement``)."""
     captured: list[torch.Tensor] = []
 
-    def hook(_module, _inputs, output: Routing) -> None:
-        captured.append(output.logits_TE)
+    def hook(module, _inputs, output: Routing) -> None:
+        order = getattr(module, "expert_order", None)  # slot -> Hub index; Hub index -> slot is its argsort
+        captured.append(output.logits_TE if order is None else output.logits_TE.index_select(-1, torch.argsort(order)))
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, router_type)]
     try:

@@ -20,7 +20,7 @@ def test_two_ranks_both_sides(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "moetune.bench",
         "--config", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1", "--routing", "balanced",
-        "--device", "cpu", "--no-chart", "--out", str(tmp_path),
+        "--device", "cpu", "--no-chart", "--out", str(tmp_path), "--moetune-rebalance-experts",
     ]
     done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -30,3 +30,8 @@ def test_two_ranks_both_sides(tmp_path):
     assert "FSDP2" in data["built"]["hf"]["sharding"] and "ep_size=2" in data["built"]["moetune"]["sharding"]
     assert data["built"]["moetune"]["sharded_weights_match"] is True
     assert all(r["error"] is None and r["tokens_per_s_per_gpu"] > 0 for r in data["rows"])
+    # The experts relabelled for balanced ranks, counted with the real router (the row runs the balanced gate).
+    placement = data["built"]["moetune"]["expert_placement"]
+    assert placement["num_ranks"] == 2 and data["config"]["moetune_rebalance_experts"] is True
+    assert 1.0 <= placement["busiest_rank_over_mean_after"] <= placement["busiest_rank_over_mean_before"]
+    assert placement["busiest_rank_over_mean_before"] > 1.0

@@ -18,6 +18,7 @@ from tests.distributed.workers import (
     _load,
     dcp_resume,
     one_step_parity,
+    rebalanced_experts_parity,
     train_parity,
 )
 
@@ -73,6 +74,7 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
     _compare_grads(model, ref, what="allgather + replicate, no_sync() then a synchronised backward")
     uneven_sequences_replicated(rank, world_size, folder)
     overlapped_optimizer_replicated(rank, world_size, folder)
+    rebalanced_experts_parity(rank, world_size, folder, **ALLGATHER_REPLICATE)
     resized_vocabulary_replicated(rank, world_size, folder)
     # torch's multi-tensor AdamW cannot take plain and DTensor parameters in one list: a clear error.
     import pytest

@@ -26,7 +26,9 @@ from tests.distributed.helpers import (
     distributed_loss,
     distributed_output,
     gathered,
+    global_batch,
     global_loss_value,
+    micro_batch,
     read_safetensors,
     reference_loss,
     reference_output,
@@ -251,9 +253,40 @@ def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str,
     pipelined_dispatch(rank, world_size)
     pipelined_parity(rank, world_size, folder, ep=2, chunks=(2, 3))
     generate_parity(rank, world_size, folder)
+    rebalanced_experts_parity(rank, world_size, folder)  # FSDP2-sharded router rows: the DTensor path
     # Tied LM head and embeddings: one parameter, in FSDP2's root group.
     one_step_parity(rank, world_size, tied_folder, what="tied embeddings, ep=2", ep_size=2)
     _check_save_equal(_load(tied_folder, ep_size=2), _load(tied_folder), Path(out) / "tied-save", rank)
+
+
+def rebalanced_experts_parity(rank: int, world_size: int, folder: str, **options) -> None:
+    """Load-balanced expert placement under expert parallelism (ep = world): every rank counts the
+    same global loads; the relabelled expert-parallel model trains exactly like one process holding
+    the same relabelled model (AdamW steps); its ranks' routed rows are balanced at least as well as
+    the contiguous placement's; restoring the order gives back every parameter of the checkpoint."""
+    from moetune.distributed.placement import expert_loads, rebalance_experts, restore_expert_order
+
+    model, ref, fresh = _load(folder, ep_size=world_size, **options), _load(folder), _load(folder)
+    loads = expert_loads(model, [{"input_ids": micro_batch(0, rank, 64)[0]}])
+    ref_loads = expert_loads(ref, [{"input_ids": global_batch(0, world_size, 64)[0]}], all_ranks=False)
+    assert loads.keys() == ref_loads.keys() and all(torch.equal(loads[n], ref_loads[n]) for n in loads), "loads differ"
+    orders = rebalance_experts(model, loads, num_ranks=world_size)
+    assert orders == {} or all(torch.equal(orders[n], o) for n, o in rebalance_experts(ref, ref_loads, num_ranks=world_size).items())
+    for name, order in orders.items():
+        blocks = lambda rows: rows.view(world_size, -1).sum(1).max().item()  # noqa: E731
+        assert blocks(loads[name][order]) <= blocks(loads[name]), f"{name}: the relabelled blocks are less balanced"
+    _compare_params(model, ref, what="relabelled experts")
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=ADAM_LR, eps=ADAM_EPS, foreach=False) for m in (model, ref))
+    for step in range(2):
+        _step_pair(model, ref, opt, ref_opt, step, rank, world_size, 64, what=f"relabelled experts, step {step}")
+    restore_expert_order(model)
+    restore_expert_order(ref)
+    _compare_params(model, ref, what="restored expert order")
+    model, ref = _load(folder, ep_size=world_size, **options), fresh
+    rebalance_experts(model, loads, num_ranks=world_size)
+    restore_expert_order(model)
+    for name, param in model.named_parameters():
+        assert torch.equal(gathered(param.data), dict(ref.named_parameters())[name].data), f"{name} not restored"
 
 
 def dispatchers(rank: int, world_size: int) -> None:
