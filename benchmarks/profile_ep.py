@@ -178,6 +178,8 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("."))
     parser.add_argument("--label", default="ep")
+    parser.add_argument("--rebalance-experts", action="store_true",
+                        help="relabel the experts for balanced ranks first (moetune.distributed.placement)")  # fmt: skip
     args = parser.parse_args()
     rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(rank)
@@ -186,11 +188,20 @@ def main() -> None:
     options = _moetune_options(argparse.Namespace(moetune_option=args.option))
     _, config = load_config("qwen3_30b_a3b", layers=args.layers)
     bench = build_moetune(config, device=device, seed=0, world_size=dist.get_world_size(), options=options,
-                          balanced_gate=args.routing == "balanced")  # fmt: skip
+                          balanced_gate=args.routing == "balanced",
+                          rebalance_seq_len=args.seq_len if args.rebalance_experts else None)  # fmt: skip
     model = bench.model
     opt = make_optimizer(model, lr=1e-5, device=device, kind="moetune", capturable=args.cuda_graph)
     generator = torch.Generator(device).manual_seed(rank)
     ids = torch.randint(0, config.vocab_size, (1, args.seq_len), device=device, generator=generator)
+    if args.routing == "real":  # how evenly the measured tokens' routed rows split over the ranks
+        from moetune.distributed.placement import expert_loads
+
+        world = dist.get_world_size()
+        ratios = [(rows.view(world, -1).sum(1).max() / (rows.sum() / world)).item()
+                  for rows in expert_loads(model, [{"input_ids": ids}]).values()]  # fmt: skip
+        if rank == 0:
+            print(f"routed rows, busiest rank over the mean, per MoE layer: {[round(r, 3) for r in ratios]}", flush=True)
     if args.cuda_graph:
         from moetune.training import CUDAGraphTrainStep
 
