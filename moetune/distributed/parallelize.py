@@ -306,11 +306,20 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> 
     # The root group (LM head, final norm) is used last in forward and first in backward: keeping it
     # gathered between the two saves one all-gather of the head per step (TorchTitan does the same).
     fully_shard(model, mesh=mesh.world, **{**common, "reshard_after_forward": False})
+    # Without a backward to reshard it, the root group would stay gathered after an inference forward
+    # (evaluation, generation, expert counts): an optimizer built then would hold FSDP2's temporary
+    # unsharded tensors instead of the parameters, and every update of the LM head would be lost.
+    model.register_forward_hook(_reshard_after_inference)
     if mesh.device_type == "cpu":
         # gloo has neither ReduceOp.AVG nor PREMUL_SUM: sum in the collective, divide locally.
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+def _reshard_after_inference(module: FSDPModule, _inputs, _output) -> None:
+    if not torch.is_grad_enabled():
+        module.reshard()
 
 
 def _keeps_dtype(module: nn.Module, param_dtype: torch.dtype | None) -> bool:

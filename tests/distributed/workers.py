@@ -254,9 +254,22 @@ def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str,
     pipelined_parity(rank, world_size, folder, ep=2, chunks=(2, 3))
     generate_parity(rank, world_size, folder)
     rebalanced_experts_parity(rank, world_size, folder)  # FSDP2-sharded router rows: the DTensor path
+    optimizer_after_inference_forward(rank, world_size, folder)
     # Tied LM head and embeddings: one parameter, in FSDP2's root group.
     one_step_parity(rank, world_size, tied_folder, what="tied embeddings, ep=2", ep_size=2)
     _check_save_equal(_load(tied_folder, ep_size=2), _load(tied_folder), Path(out) / "tied-save", rank)
+
+
+def optimizer_after_inference_forward(rank: int, world_size: int, folder: str) -> None:
+    """An optimizer built after a forward without gradients (an evaluation) holds the FSDP2-sharded
+    parameters, not the root group's temporary gathered ones: AdamW steps then equal one process's."""
+    model, ref = _load(folder, ep_size=world_size), _load(folder)
+    with torch.no_grad():
+        model(input_ids=micro_batch(0, rank, 64)[0])
+    assert all(isinstance(p, DTensor) for p in model.parameters()), "the root group stayed gathered"
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=ADAM_LR, eps=ADAM_EPS, foreach=False) for m in (model, ref))
+    for step in range(2):
+        _step_pair(model, ref, opt, ref_opt, step, rank, world_size, 64, what=f"optimizer after inference, step {step}")
 
 
 def rebalanced_experts_parity(rank: int, world_size: int, folder: str, **options) -> None:
