@@ -43,6 +43,22 @@ def test_balanced_order_evens_out_the_blocks():
         balanced_expert_order(loads, 3)
 
 
+def loads_per_block(loads: torch.Tensor, ranks: int = 2) -> list[int]:
+    return loads.view(ranks, -1).sum(1).tolist()
+
+
+def test_a_placement_the_rule_would_not_improve_is_kept():
+    """Greedy largest-first is not optimal: where the current blocks are already at least as even,
+    the layer keeps its placement."""
+    model = _model("qwen3_moe")
+    name = next(n for n, m in model.named_modules() if isinstance(m, MoEBlock))
+    even = torch.tensor([3, 3, 0, 0, 2, 2, 2, 0])  # blocks 6 / 6; the greedy rule gives 7 / 5
+    assert loads_per_block(even[balanced_expert_order(even, 2)]) == [7, 5]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert torch.equal(rebalance_experts(model, {name: even}, num_ranks=2)[name], torch.arange(8))
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 def _model(name: str) -> transformers.PreTrainedModel:
     torch.manual_seed(0)
     model = moetune.AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)

@@ -101,8 +101,9 @@ def expert_loads(
 def rebalance_experts(model: nn.Module, loads: Mapping[str, torch.Tensor], *, num_ranks: int) -> dict[str, torch.Tensor]:
     """Relabel the experts of every MoE layer named in ``loads`` (routed rows per current slot, e.g.
     from ``expert_loads``) so that ``num_ranks`` contiguous blocks (the expert-parallel shards) carry
-    balanced loads. Every rank must pass the same loads. Returns each layer's order: slot s now holds
-    the Hub-checkpoint expert ``order[s]``."""
+    balanced loads; a layer whose busiest block the rule would not lighten keeps its placement. Every
+    rank must pass the same loads. Returns each layer's order: slot s now holds the Hub-checkpoint
+    expert ``order[s]``."""
     blocks = _moe_blocks(model)
     unknown = sorted(set(loads) - set(blocks))
     if unknown:
@@ -112,7 +113,10 @@ def rebalance_experts(model: nn.Module, loads: Mapping[str, torch.Tensor], *, nu
         block = blocks[name]
         if loads_E.numel() != block.num_experts:
             raise ValueError(f"rebalance_experts: loads[{name!r}] has {loads_E.numel()} entries for {block.num_experts} experts")
-        _permute_block(name, block, balanced_expert_order(loads_E, num_ranks))
+        order = balanced_expert_order(loads_E, num_ranks)
+        # The greedy rule is not optimal: keep the current placement unless the new one is better on these loads.
+        if _busiest_block(loads_E[order], num_ranks) < _busiest_block(loads_E, num_ranks):
+            _permute_block(name, block, order)
         orders[name] = expert_order(block)
     return orders
 
@@ -128,6 +132,10 @@ def expert_order(block: MoEBlock) -> torch.Tensor:
     """The Hub-checkpoint index of the expert in each slot of ``block`` (the identity when never relabelled), on CPU."""
     order = getattr(block._modules[block._router_name], "expert_order", None)
     return torch.arange(block.num_experts) if order is None else order.cpu()
+
+
+def _busiest_block(loads_E: torch.Tensor, num_ranks: int) -> int:
+    return int(loads_E.view(num_ranks, -1).sum(1).max())
 
 
 def _moe_blocks(model: nn.Module) -> dict[str, MoEBlock]:

@@ -272,21 +272,23 @@ def optimizer_after_inference_forward(rank: int, world_size: int, folder: str) -
         _step_pair(model, ref, opt, ref_opt, step, rank, world_size, 64, what=f"optimizer after inference, step {step}")
 
 
-def rebalanced_experts_parity(rank: int, world_size: int, folder: str, **options) -> None:
-    """Load-balanced expert placement under expert parallelism (ep = world): every rank counts the
-    same global loads; the relabelled expert-parallel model trains exactly like one process holding
-    the same relabelled model (AdamW steps); its ranks' routed rows are balanced at least as well as
-    the contiguous placement's; restoring the order gives back every parameter of the checkpoint."""
+def rebalanced_experts_parity(rank: int, world_size: int, folder: str, *, ep: int | None = None, **options) -> None:
+    """Load-balanced expert placement under expert parallelism (ep = world, or ep < world with the
+    experts FSDP2-sharded over their replicas): every rank counts the same global loads; the relabelled
+    expert-parallel model trains exactly like one process holding the same relabelled model (AdamW
+    steps); its ep shards' routed rows are balanced at least as well as the contiguous placement's;
+    restoring the order gives back every parameter of the checkpoint."""
     from moetune.distributed.placement import expert_loads, rebalance_experts, restore_expert_order
 
-    model, ref, fresh = _load(folder, ep_size=world_size, **options), _load(folder), _load(folder)
+    ep = ep or world_size
+    model, ref, fresh = _load(folder, ep_size=ep, **options), _load(folder), _load(folder)
     loads = expert_loads(model, [{"input_ids": micro_batch(0, rank, 64)[0]}])
     ref_loads = expert_loads(ref, [{"input_ids": global_batch(0, world_size, 64)[0]}], all_ranks=False)
     assert loads.keys() == ref_loads.keys() and all(torch.equal(loads[n], ref_loads[n]) for n in loads), "loads differ"
-    orders = rebalance_experts(model, loads, num_ranks=world_size)
-    assert orders == {} or all(torch.equal(orders[n], o) for n, o in rebalance_experts(ref, ref_loads, num_ranks=world_size).items())
+    orders = rebalance_experts(model, loads, num_ranks=ep)
+    assert orders == {} or all(torch.equal(orders[n], o) for n, o in rebalance_experts(ref, ref_loads, num_ranks=ep).items())
     for name, order in orders.items():
-        blocks = lambda rows: rows.view(world_size, -1).sum(1).max().item()  # noqa: E731
+        blocks = lambda rows: rows.view(ep, -1).sum(1).max().item()  # noqa: E731
         assert blocks(loads[name][order]) <= blocks(loads[name]), f"{name}: the relabelled blocks are less balanced"
     _compare_params(model, ref, what="relabelled experts")
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=ADAM_LR, eps=ADAM_EPS, foreach=False) for m in (model, ref))
@@ -295,8 +297,8 @@ def rebalanced_experts_parity(rank: int, world_size: int, folder: str, **options
     restore_expert_order(model)
     restore_expert_order(ref)
     _compare_params(model, ref, what="restored expert order")
-    model, ref = _load(folder, ep_size=world_size, **options), fresh
-    rebalance_experts(model, loads, num_ranks=world_size)
+    model, ref = _load(folder, ep_size=ep, **options), fresh
+    rebalance_experts(model, loads, num_ranks=ep)
     restore_expert_order(model)
     for name, param in model.named_parameters():
         assert torch.equal(gathered(param.data), dict(ref.named_parameters())[name].data), f"{name} not restored"
@@ -526,6 +528,7 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
     dcp_resume(rank, world_size, folder, 2, out, **ALLGATHER_REPLICATE)
     check_replicas_equal_after_from_config(rank, world_size, ep=2)
     overlapped_optimizer_replicated(rank, world_size, folder, ep=2)
+    rebalanced_experts_parity(rank, world_size, folder, ep=2)  # experts FSDP2-sharded over 2 replicas
     pipelined_dispatch(rank, world_size)
     pipelined_parity(rank, world_size, folder, ep=4, chunks=(3,))
     pipelined_parity(rank, world_size, folder, ep=2, chunks=(3,))  # experts FSDP2-sharded over dp 2: called per chunk
