@@ -61,8 +61,9 @@ def expert_loads(
     model: nn.Module, batches: Iterable[Mapping[str, torch.Tensor]], *, all_ranks: bool = True
 ) -> dict[str, torch.Tensor]:
     """Routed rows per expert slot of every MoE layer ({block name: [E] int64 on CPU}) over forwards of
-    ``model`` on ``batches`` (keyword inputs). ``all_ranks``: summed over the ranks of the default process
-    group when one is initialised (each rank passes its own batches and gets the same counts)."""
+    ``model`` on ``batches`` (keyword inputs; every position counts, padding included: pass unpadded or
+    packed batches). ``all_ranks``: summed over the ranks of the default process group when one is
+    initialised (each rank passes its own batches and gets the same counts)."""
     blocks = _moe_blocks(model)
     counts = {name: torch.zeros(block.num_experts, dtype=torch.int64) for name, block in blocks.items()}
 
