@@ -37,10 +37,13 @@ def losses(records: list[dict]) -> dict[int, float]:
 
 
 def test_fsdp2_two_ranks_resume_exactly(tmp_path):
+    """The checkpoint of step 2 is written right after a validation pass (forwards without gradients,
+    after which FSDP2 would keep the root group gathered if moetune did not reshard it)."""
+    val = ("--training.val_every", "2")
     full = losses(run_job(tmp_path, tmp_path / "full", "--training.steps", "4", "--checkpoint.every", "2",
-                          "--checkpoint.export_final", "false"))
+                          "--checkpoint.export_final", "false", *val))
     resumed = losses(run_job(tmp_path, tmp_path / "resumed", "--training.steps", "4", "--checkpoint.resume",
-                             str(tmp_path / "full/checkpoints/step_00000002"), "--checkpoint.export_final", "false"))
+                             str(tmp_path / "full/checkpoints/step_00000002"), "--checkpoint.export_final", "false", *val))
     assert sorted(resumed) == [3, 4]
     assert [resumed[3], resumed[4]] == [full[3], full[4]]
 
