@@ -24,13 +24,13 @@ import torch
 import transformers
 
 from moetune.bench.models import load_config
-from moetune.distributed.placement import balanced_expert_order
+from moetune.distributed.placement import balanced_expert_order, rows_per_rank
 
 
 def balanced_partition(loads: list[int], ranks: int) -> list[int]:
     """Rows per rank under moetune's load-balanced placement (``balanced_expert_order``)."""
-    order = balanced_expert_order(torch.tensor(loads), ranks)
-    return torch.tensor(loads)[order].view(ranks, -1).sum(1).tolist()
+    loads_E = torch.tensor(loads)
+    return rows_per_rank(loads_E[balanced_expert_order(loads_E, ranks)], ranks).tolist()
 
 
 def main() -> None:

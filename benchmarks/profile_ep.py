@@ -195,10 +195,10 @@ def main() -> None:
     generator = torch.Generator(device).manual_seed(rank)
     ids = torch.randint(0, config.vocab_size, (1, args.seq_len), device=device, generator=generator)
     if args.routing == "real":  # how evenly the measured tokens' routed rows split over the ranks
-        from moetune.distributed.placement import expert_loads
+        from moetune.distributed.placement import expert_loads, rows_per_rank
 
         world = dist.get_world_size()
-        ratios = [(rows.view(world, -1).sum(1).max() / (rows.sum() / world)).item()
+        ratios = [(rows_per_rank(rows, world).max() / (rows.sum() / world)).item()
                   for rows in expert_loads(model, [{"input_ids": ids}]).values()]  # fmt: skip
         if rank == 0:
             print(f"routed rows, busiest rank over the mean, per MoE layer: {[round(r, 3) for r in ratios]}", flush=True)

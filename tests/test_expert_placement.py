@@ -18,6 +18,7 @@ from moetune.distributed.placement import (
     expert_order,
     rebalance_experts,
     restore_expert_order,
+    rows_per_rank,
 )
 from moetune.moe.layer import MoEBlock
 from tests.conftest import tiny_qwen3_moe_config
@@ -35,16 +36,12 @@ def test_balanced_order_evens_out_the_blocks():
     loads = torch.tensor([10, 1, 1, 10, 5, 5, 3, 3])
     order = balanced_expert_order(loads, 2)
     assert sorted(order.tolist()) == list(range(8))
-    blocks = loads[order].view(2, 4).sum(1).tolist()
+    blocks = rows_per_rank(loads[order], 2).tolist()
     assert blocks == [19, 19]  # contiguous: [17, 21]
     assert all(order.view(2, 4)[r].tolist() == sorted(order.view(2, 4)[r].tolist()) for r in range(2))
     assert balanced_expert_order(torch.ones(8), 1).tolist() == list(range(8))
     with pytest.raises(ValueError, match="8 experts do not split evenly over 3 ranks"):
         balanced_expert_order(loads, 3)
-
-
-def loads_per_block(loads: torch.Tensor, ranks: int = 2) -> list[int]:
-    return loads.view(ranks, -1).sum(1).tolist()
 
 
 def test_a_placement_the_rule_would_not_improve_is_kept():
@@ -53,7 +50,7 @@ def test_a_placement_the_rule_would_not_improve_is_kept():
     model = _model("qwen3_moe")
     name = next(n for n, m in model.named_modules() if isinstance(m, MoEBlock))
     even = torch.tensor([3, 3, 0, 0, 2, 2, 2, 0])  # blocks 6 / 6; the greedy rule gives 7 / 5
-    assert loads_per_block(even[balanced_expert_order(even, 2)]) == [7, 5]
+    assert rows_per_rank(even[balanced_expert_order(even, 2)], 2).tolist() == [7, 5]
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert torch.equal(rebalance_experts(model, {name: even}, num_ranks=2)[name], torch.arange(8))
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -104,6 +101,7 @@ def test_relabelling_keeps_the_function_and_restores(name, tmp_path):
     restore_expert_order(model)
     for block in blocks.values():
         assert torch.equal(expert_order(block), torch.arange(block.num_experts))
+        assert not hasattr(block._modules[block._router_name], "expert_slots")  # no reordering left
     for n, p in model.named_parameters():
         assert torch.equal(p, original[n]), n
 

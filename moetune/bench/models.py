@@ -337,7 +337,7 @@ def _rebalance(model, config, *, device: torch.device, seed: int, seq_len: int, 
     over the mean, averaged over the MoE layers, before and after (on the calibration tokens)."""
     import torch.distributed as dist
 
-    from moetune.distributed.placement import expert_loads, rebalance_experts
+    from moetune.distributed.placement import expert_loads, rebalance_experts, rows_per_rank
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     generator = torch.Generator(device=device).manual_seed(seed + 1_000_000 + rank)  # not the measured tokens
@@ -346,7 +346,7 @@ def _rebalance(model, config, *, device: torch.device, seed: int, seq_len: int, 
     orders = rebalance_experts(model, loads, num_ranks=num_ranks)
 
     def busiest(rows: torch.Tensor) -> float:
-        per_rank = rows.view(num_ranks, -1).sum(1).float()
+        per_rank = rows_per_rank(rows, num_ranks).float()
         return (per_rank.max() / per_rank.mean()).item()
 
     before = [busiest(loads[name]) for name in orders]

@@ -31,7 +31,6 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate
 
 from moetune.moe.experts import GroupedExperts
@@ -84,11 +83,8 @@ def expert_loads(
         model.train(was_training)
         for handle in handles:
             handle.remove()
-        # FSDP2 leaves the root's parameters unsharded after a forward without backward; an optimizer
-        # built now would hold those temporaries instead of the sharded parameters.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+    # (moetune's FSDP2 wrapping reshards its root group after these no-grad forwards: an optimizer built
+    # next holds the sharded parameters; see parallelize.apply_fsdp.)
     if all_ranks and dist.is_available() and dist.is_initialized():
         stacked = torch.stack(list(counts.values())) if counts else torch.zeros(0, dtype=torch.int64)
         device = next(model.parameters()).device
@@ -116,7 +112,7 @@ def rebalance_experts(model: nn.Module, loads: Mapping[str, torch.Tensor], *, nu
             raise ValueError(f"rebalance_experts: loads[{name!r}] has {loads_E.numel()} entries for {block.num_experts} experts")
         order = balanced_expert_order(loads_E, num_ranks)
         # The greedy rule is not optimal: keep the current placement unless the new one is better on these loads.
-        if _busiest_block(loads_E[order], num_ranks) < _busiest_block(loads_E, num_ranks):
+        if rows_per_rank(loads_E[order], num_ranks).max() < rows_per_rank(loads_E, num_ranks).max():
             _permute_block(name, block, order)
         orders[name] = expert_order(block)
     return orders
@@ -126,17 +122,24 @@ def rebalance_experts(model: nn.Module, loads: Mapping[str, torch.Tensor], *, nu
 def restore_expert_order(model: nn.Module) -> None:
     """Undo every relabelling: each expert back at its Hub-checkpoint index."""
     for name, block in _moe_blocks(model).items():
-        _permute_block(name, block, torch.argsort(expert_order(block)))
+        if _expert_slots(block) is not None:
+            _permute_block(name, block, torch.argsort(expert_order(block)))
 
 
 def expert_order(block: MoEBlock) -> torch.Tensor:
     """The Hub-checkpoint index of the expert in each slot of ``block`` (the identity when never relabelled), on CPU."""
-    order = getattr(block._modules[block._router_name], "expert_order", None)
-    return torch.arange(block.num_experts) if order is None else order.cpu()
+    slots = _expert_slots(block)
+    return torch.arange(block.num_experts) if slots is None else torch.argsort(slots.cpu())
 
 
-def _busiest_block(loads_E: torch.Tensor, num_ranks: int) -> int:
-    return int(loads_E.view(num_ranks, -1).sum(1).max())
+def rows_per_rank(loads_E: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """Routed rows of each of ``num_ranks`` contiguous expert blocks (the expert-parallel shards)."""
+    return loads_E.view(num_ranks, -1).sum(1)
+
+
+def _expert_slots(block: MoEBlock) -> torch.Tensor | None:
+    """The slot of each Hub-checkpoint expert (None when the layer is in the Hub's order)."""
+    return getattr(block._modules[block._router_name], "expert_slots", None)
 
 
 def _moe_blocks(model: nn.Module) -> dict[str, MoEBlock]:
@@ -157,13 +160,16 @@ def _permute_block(name: str, block: MoEBlock, order: torch.Tensor) -> None:
     if extra:
         raise ValueError(f"rebalance_experts: {name}.experts has adapter parameters ({extra[:2]}); relabel before adding LoRA")
     new_order = expert_order(block)[order]
-    buffers = [b for n, b in router._buffers.items() if n != "expert_order"]
+    buffers = [b for n, b in router._buffers.items() if n != "expert_slots"]
     for tensor in [*block.experts._parameters.values(), *router._parameters.values(), *buffers]:
         if tensor is not None and tensor.shape[0] == block.num_experts:
             _permute_rows(tensor, order)
-    # On the router, next to the logits it labels: capture_router_logits reorders them to the Hub's
-    # labels with it. Not persistent: state dicts keep Transformers' keys.
-    router.register_buffer("expert_order", new_order.to(router.weight.device), persistent=False)
+    if torch.equal(new_order, torch.arange(block.num_experts)):
+        router._buffers.pop("expert_slots", None)  # back in the Hub's order: nothing to reorder
+        return
+    # On the router, next to the logits it labels: capture_router_logits gathers their columns back to
+    # the Hub's order with it (one index_select). Not persistent: state dicts keep Transformers' keys.
+    router.register_buffer("expert_slots", torch.argsort(new_order).to(router.weight.device), persistent=False)
 
 
 def _permute_rows(tensor: torch.Tensor, order: torch.Tensor) -> None:

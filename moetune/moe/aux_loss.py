@@ -22,8 +22,8 @@ def capture_router_logits(model: nn.Module, router_type: type[nn.Module]) -> Ite
     captured: list[torch.Tensor] = []
 
     def hook(module, _inputs, output: Routing) -> None:
-        order = getattr(module, "expert_order", None)  # slot -> Hub index; Hub index -> slot is its argsort
-        captured.append(output.logits_TE if order is None else output.logits_TE.index_select(-1, torch.argsort(order)))
+        slots = getattr(module, "expert_slots", None)  # the slot of each Hub-checkpoint expert
+        captured.append(output.logits_TE if slots is None else output.logits_TE.index_select(-1, slots))
 
     handles = [m.register_forward_hook(hook) for m in model.modules() if isinstance(m, router_type)]
     try:

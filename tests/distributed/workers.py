@@ -278,7 +278,7 @@ def rebalanced_experts_parity(rank: int, world_size: int, folder: str, *, ep: in
     expert-parallel model trains exactly like one process holding the same relabelled model (AdamW
     steps); its ep shards' routed rows are balanced at least as well as the contiguous placement's;
     restoring the order gives back every parameter of the checkpoint."""
-    from moetune.distributed.placement import expert_loads, rebalance_experts, restore_expert_order
+    from moetune.distributed.placement import expert_loads, rebalance_experts, restore_expert_order, rows_per_rank
 
     ep = ep or world_size
     model, ref, fresh = _load(folder, ep_size=ep, **options), _load(folder), _load(folder)
@@ -288,7 +288,7 @@ def rebalanced_experts_parity(rank: int, world_size: int, folder: str, *, ep: in
     orders = rebalance_experts(model, loads, num_ranks=ep)
     assert orders == {} or all(torch.equal(orders[n], o) for n, o in rebalance_experts(ref, ref_loads, num_ranks=ep).items())
     for name, order in orders.items():
-        blocks = lambda rows: rows.view(ep, -1).sum(1).max().item()  # noqa: E731
+        blocks = lambda rows: rows_per_rank(rows, ep).max().item()  # noqa: E731
         assert blocks(loads[name][order]) <= blocks(loads[name]), f"{name}: the relabelled blocks are less balanced"
     _compare_params(model, ref, what="relabelled experts")
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=ADAM_LR, eps=ADAM_EPS, foreach=False) for m in (model, ref))
