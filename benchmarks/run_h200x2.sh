@@ -23,6 +23,8 @@
 #                with the updates during the backward; PROFILE_EXTRA, PROFILE_LABEL for variants)
 #     envsweep   row B's moetune side alone (real routing), once per setting of ENV_SWEEP ("-" = as is;
 #                e.g. ENV_SWEEP="- NCCL_MAX_NCHANNELS=8 A=1,B=2": commas join the variables of one setting)
+#     optsweep   row B's moetune side alone (real routing), once per set of moetune options in OPT_SWEEP ("-" =
+#                defaults; e.g. OPT_SWEEP="- replicate_bucket_mb=None replicate_bucket_mb=25,replicate_max_ctas=8")
 #     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/nccl_probe.py): NCCL,
 #                and copy-engine pushes into symmetric memory (--copy-engine)
 set -uo pipefail
@@ -80,6 +82,17 @@ if stage envsweep; then  # ENV_SWEEP="- NAME=1 NAME=2": row B's moetune side alo
     echo "== moetune alone, graphed EP, environment: $setting"
     ( if [[ "$setting" != - ]]; then IFS=, read -ra assignments <<< "$setting"; export "${assignments[@]}"; fi
       bench2 150 --routing real --sides moetune --moetune-cuda-graph --moetune-overlap-optimizer "${GRAPHABLE_EP[@]}" ) || status=1
+  done
+fi
+
+if stage optsweep; then  # OPT_SWEEP="- replicate_bucket_mb=None a=1,b=2": row B's moetune side alone per option set
+  for setting in ${OPT_SWEEP:--}; do
+    echo "== moetune alone, graphed EP, options: $setting"
+    flags=()
+    if [[ "$setting" != - ]]; then IFS=, read -ra assignments <<< "$setting"
+      for assignment in "${assignments[@]}"; do flags+=(--moetune-option "$assignment"); done; fi
+    bench2 150 --routing real --sides moetune --moetune-cuda-graph --moetune-overlap-optimizer "${GRAPHABLE_EP[@]}" "${flags[@]}" \
+      || status=1
   done
 fi
 
