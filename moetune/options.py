@@ -59,11 +59,6 @@ class MoetuneOptions:
     the NVLink bandwidth and SMs that the experts' per-layer collectives on the critical path need. On
     2 H200s (16 layers, ep=2) 8 or 16 measured 113.6-114.0 ms per step against 116.1-116.5 uncapped
     (4: 119.1, 2: 130.0; benchmarks/README.md). None: NCCL's own choice."""
-    replicate_bucket_mb: float | None = 64.0
-    """``dense_parallel='replicate'``: gradients smaller than this many MiB are all-reduced together in
-    buckets of about that size (DDP's ``bucket_cap_mb``), in the order the first backward produced
-    them, instead of one collective per parameter; None or 0: one per parameter. Costs a flat buffer
-    of the bucketed gradients' size (0.6 GB for a 16-layer Qwen3-30B-A3B)."""
 
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
@@ -74,9 +69,6 @@ class MoetuneOptions:
         )
         if self.replicate_max_ctas is not None and not is_positive_int(self.replicate_max_ctas):
             raise ValueError(f"replicate_max_ctas must be a positive int (or None), got {self.replicate_max_ctas!r}")
-        bucket = self.replicate_bucket_mb
-        if bucket is not None and (isinstance(bucket, bool) or not isinstance(bucket, (int, float)) or bucket < 0):
-            raise ValueError(f"replicate_bucket_mb must be a number >= 0 (or None), got {bucket!r}")
         if self.dense_parallel not in DENSE_PARALLEL:
             raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {self.dense_parallel!r}")
 

@@ -32,7 +32,6 @@ from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, Exp
 from moetune.distributed.mesh import ParallelMesh, build_mesh, rank_device, require_process_group
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
 from moetune.distributed.replicate import (
-    DEFAULT_BUCKET_MB,
     ReplicatedGradientSync,
     broadcast_parameters,
     gather_embedding_gradients,
@@ -72,8 +71,6 @@ class ParallelConfig:
     ranks that hold the same experts), gradients averaged in the backward (replicate.py)."""
     replicate_max_ctas: int | None = 16
     """'replicate' on NCCL: the most CTAs of the gradient all-reduces' communicator (None: NCCL's choice)."""
-    replicate_bucket_mb: float | None = DEFAULT_BUCKET_MB
-    """'replicate': gradients below this size are all-reduced in buckets of about it (None / 0: per parameter)."""
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
@@ -138,7 +135,7 @@ def check_dense_parallel(name: str, mesh: ParallelMesh) -> None:
 
 
 def replicate_dense_parameters(
-    model: nn.Module, mesh: ParallelMesh, *, max_ctas: int | None = None, bucket_mb: float | None = DEFAULT_BUCKET_MB
+    model: nn.Module, mesh: ParallelMesh, *, max_ctas: int | None = None
 ) -> list[ReplicatedGradientSync]:
     """For an allocated model parallelized with ``dense_parallel='replicate'``: equal copies of the
     non-expert parameters on every rank, and their gradients averaged over all ranks in every
@@ -154,12 +151,12 @@ def replicate_dense_parameters(
     # also the flattened world's; a separate communicator alone measured no gain.
     group = dist.new_group(ranks=list(range(mesh.world_size)), group_desc="moetune_replicated_grads",
                            pg_options=_nccl_options(max_ctas))  # fmt: skip
-    syncs = [_dense_gradient_sync(model, group, bucket_mb=bucket_mb)]
+    syncs = [_dense_gradient_sync(model, group)]
     if mesh.world_size > mesh.ep_size:
         experts = [p for p in model.parameters() if isinstance(p, DTensor)]
         replicas = mesh.dp_shard_mod_ep.get_group()
         broadcast_parameters(experts, group=replicas)
-        syncs.append(ReplicatedGradientSync(experts, group=replicas, bucket_mb=bucket_mb))
+        syncs.append(ReplicatedGradientSync(experts, group=replicas))
     return syncs
 
 
@@ -173,7 +170,7 @@ def _nccl_options(max_ctas: int | None):
     return options
 
 
-def _dense_gradient_sync(model: nn.Module, group: dist.ProcessGroup, *, bucket_mb: float | None) -> ReplicatedGradientSync:
+def _dense_gradient_sync(model: nn.Module, group: dist.ProcessGroup) -> ReplicatedGradientSync:
     """The all-reduce of every non-expert gradient but the input embedding's, which is built averaged
     from the gathered tokens where it can be (``gather_embedding_gradients``)."""
     dense = [p for p in model.parameters() if not isinstance(p, DTensor)]
@@ -182,7 +179,7 @@ def _dense_gradient_sync(model: nn.Module, group: dist.ProcessGroup, *, bucket_m
     tied = output is not None and output.weight is embedding.weight
     if not tied and gather_embedding_gradients(embedding, group=group):  # averaged in its own backward
         dense = [p for p in dense if p is not embedding.weight]
-    return ReplicatedGradientSync(dense, group=group, bucket_mb=bucket_mb)
+    return ReplicatedGradientSync(dense, group=group)
 
 
 def resize_token_embeddings_replicated(model: nn.Module, resize, *args, **kwargs):
@@ -195,7 +192,7 @@ def resize_token_embeddings_replicated(model: nn.Module, resize, *args, **kwargs
     resized = [module.weight for module in (model.get_input_embeddings(), model.get_output_embeddings()) if module is not None]
     broadcast_parameters(list({id(p): p for p in resized}.values()), group=group)
     syncs[0].remove()
-    syncs[0] = _dense_gradient_sync(model, group, bucket_mb=syncs[0].bucket_mb)  # the same list: model.no_sync holds it
+    syncs[0] = _dense_gradient_sync(model, group)  # the same list: model.no_sync holds it
     return result
 
 
@@ -352,7 +349,6 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         ep_dispatch=getattr(options, "ep_dispatch", "alltoall"),
         dense_parallel=getattr(options, "dense_parallel", "fsdp"),
         replicate_max_ctas=getattr(options, "replicate_max_ctas", 16),
-        replicate_bucket_mb=getattr(options, "replicate_bucket_mb", DEFAULT_BUCKET_MB),
         lora=getattr(options, "lora", None),
     )
     if device.type == "cuda":
@@ -368,7 +364,7 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         reset_lora_parameters(model)
     if config.dense_parallel == "replicate":
         model.replicated_gradient_syncs = replicate_dense_parameters(  # kept alive with the model
-            model, mesh, max_ctas=config.replicate_max_ctas, bucket_mb=config.replicate_bucket_mb
+            model, mesh, max_ctas=config.replicate_max_ctas
         )
         # DDP's name, which accelerate (Transformers' Trainer) and the recipe call for all but the last
         # micro-batch of a step.

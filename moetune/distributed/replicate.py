@@ -27,9 +27,8 @@ the averaged gradient itself.
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,85 +40,19 @@ from torch.distributed.tensor import DTensor
 from moetune.distributed.token_counts import LargestTokenCount
 
 
-DEFAULT_BUCKET_MB = 64.0
-
-
-class _Bucket:
-    """Gradients of several parameters (one dtype, in the order the backward produces them) reduced as
-    one flat tensor: each gradient is copied in as it arrives, the bucket's all-reduce starts when the
-    last one has, and the averaged values are copied back into the parameters' own ``.grad`` tensors
-    (which are never replaced, so captured graphs and accumulating backwards keep their buffers)."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        sizes = [p.numel() for p in params]
-        self.params = params
-        self.flat = torch.empty(sum(sizes), dtype=params[0].dtype, device=params[0].device)
-        self.views = list(self.flat.split(sizes))
-        self.slot = {id(p): i for i, p in enumerate(params)}
-        self.reset()
-
-    def reset(self) -> None:
-        self.arrived: dict[int, torch.Tensor] = {}  # slot -> the gradient copied in (copied back to)
-        self.alone: set[int] = set()  # slots reduced on their own in this backward (see _reduce)
-        self.reduction: _Reduction | None = None
-        self.waiting: list[Callable[[], None]] = []  # after_reduction callbacks until the launch
-
-    @property
-    def complete(self) -> bool:
-        return len(self.arrived) + len(self.alone - self.arrived.keys()) == len(self.params)
-
-
-class _Reduction:
-    """One issued all-reduce; ``finish`` (once) waits for it, averages on backends without AVG and
-    copies a bucket's values back."""
-
-    def __init__(self, tensor: torch.Tensor, work: dist.Work, bucket: _Bucket | None = None) -> None:
-        self.tensor, self.work, self.bucket = tensor, work, bucket
-        self.done = False
-
-    def finish(self, divide_by: int | None) -> None:
-        if self.done:
-            return
-        self.done = True
-        self.work.wait()
-        if divide_by is not None:
-            self.tensor.div_(divide_by)
-        if self.bucket is not None:
-            for slot, grad in self.bucket.arrived.items():
-                if slot not in self.bucket.alone:
-                    grad.copy_(self.bucket.views[slot].view_as(grad))
-
-
 class ReplicatedGradientSync:
-    """Averages the gradients of ``params`` over ``group`` in every backward.
+    """Averages the gradients of ``params`` over ``group`` in every backward."""
 
-    ``bucket_mb``: gradients smaller than this are all-reduced together in buckets of about that
-    size, DDP's way; each collective is a rendezvous of the ranks and a kernel that holds SMs until
-    the peer arrives, and one per parameter (146 per step for a 16-layer Qwen3-30B-A3B) cost ~5 ms of
-    a ~113 ms expert-parallel step on 2 H200s (benchmarks/README.md). Buckets hold consecutive
-    parameters in reverse registration order (about the backward's order); larger gradients and
-    DTensor gradients are reduced on their own, in place. Every rank must produce the gradients in
-    the same order, as for any collective.
-    """
-
-    def __init__(
-        self, params: Iterable[nn.Parameter], *, group: dist.ProcessGroup, bucket_mb: float | None = DEFAULT_BUCKET_MB
-    ) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], *, group: dist.ProcessGroup) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.world = dist.get_world_size(group)
         # gloo has no AVG reduction: sum, then divide once the reduction is done.
         self.average_in_collective = "nccl" in str(dist.get_backend(group)).lower()
-        self.bucket_mb = bucket_mb
-        self.bucket_bytes = None if not bucket_mb else int(bucket_mb * 2**20)
         self._ids = {id(p) for p in self.params}
-        self._buckets = _make_buckets(self.params, self.bucket_bytes) if self.bucket_bytes else []
-        self._bucket_of = {id(p): bucket for bucket in self._buckets for p in bucket.params}
-        # id(param) -> the reductions issued for it in this backward (its bucket's, and its own if
-        # autograd accumulated it twice, e.g. reentrant checkpointing), in issue order.
-        self._pending: dict[int, list[_Reduction]] = {}
-        self._task: int | None = None  # the backward (autograd graph task) the buckets' state belongs to
-        self._warned = False
+        # id(param) -> its (gradient, all-reduce) pairs issued in this backward (two if autograd
+        # accumulated it twice, e.g. reentrant checkpointing), in issue order.
+        self._pending: dict[int, list[tuple[torch.Tensor, dist.Work]]] = {}
         self.enabled = True
         """False inside ``no_gradient_sync``: gradients accumulate locally, unreduced."""
         self._handles = [p.register_post_accumulate_grad_hook(self._reduce) for p in self.params]
@@ -130,131 +63,42 @@ class ReplicatedGradientSync:
             handle.remove()
         self._handles = []
 
-    @property
-    def num_buckets(self) -> int:
-        return len(self._buckets)
-
     def _reduce(self, param: nn.Parameter) -> None:
         if not self.enabled:
             return
+        op = dist.ReduceOp.AVG if self.average_in_collective else dist.ReduceOp.SUM
         # An expert's DTensor gradient (replicated over the ranks holding the same experts): its local
         # tensor, in place.
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        task = torch._C._current_graph_task_id()
-        if self._task is None:
-            self._task = task  # the backward whose end (_wait_all) launches what is left and resets the buckets
-        bucket = self._bucket_of.get(id(param))
-        if task != self._task:
-            # A backward nested in the one that owns the buckets (reentrant checkpointing), or one after
-            # a backward that an exception interrupted (its buckets never reset): reduced on its own.
-            self._warn_unbucketed()
-            if bucket is not None:
-                bucket.alone.add(bucket.slot[id(param)])
-            self._reduce_alone(param, grad)
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_pending)
-            return
-        if bucket is None:
-            self._reduce_alone(param, grad)
-        else:
-            slot = bucket.slot[id(param)]
-            if slot in bucket.arrived or slot in bucket.alone or not grad.is_contiguous():
-                # A second gradient in one backward (its first may already be in flight in the bucket)
-                # or a layout the flat copy cannot take: this gradient is reduced on its own and the
-                # bucket does not copy its slot back.
-                bucket.alone.add(slot)
-                self._reduce_alone(param, grad)
-            else:
-                bucket.views[slot].copy_(grad.reshape(-1))
-                bucket.arrived[slot] = grad
-            if bucket.reduction is None and bucket.complete:
-                self._launch(bucket)
-        # Queued by every hook (the later calls find nothing left to do).
+        work = dist.all_reduce(grad, op=op, group=self.group, async_op=True)
+        self._pending.setdefault(id(param), []).append((grad, work))
+        # Queued by every hook (the later calls find nothing left to wait for): no state that a
+        # backward interrupted by an exception could leave stale for the next one.
         torch.autograd.Variable._execution_engine.queue_callback(self._wait_all)
-
-    def _warn_unbucketed(self) -> None:
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                "ReplicatedGradientSync: gradients produced in a nested backward (reentrant checkpointing) or after "
-                "an interrupted backward are all-reduced one by one, outside the buckets",
-                stacklevel=3,
-            )
-
-    def _reduce_alone(self, param: nn.Parameter, grad: torch.Tensor) -> None:
-        work = dist.all_reduce(grad, op=self._op(), group=self.group, async_op=True)
-        self._pending.setdefault(id(param), []).append(_Reduction(grad, work))
-
-    def _launch(self, bucket: _Bucket) -> None:
-        work = dist.all_reduce(bucket.flat, op=self._op(), group=self.group, async_op=True)
-        bucket.reduction = _Reduction(bucket.flat, work, bucket)
-        for slot in bucket.arrived:
-            self._pending.setdefault(id(bucket.params[slot]), []).append(bucket.reduction)
-        waiting, bucket.waiting = bucket.waiting, []
-        for callback in waiting:
-            callback()
-
-    def _op(self):
-        return dist.ReduceOp.AVG if self.average_in_collective else dist.ReduceOp.SUM
-
-    def after_reduction(self, param: nn.Parameter, callback: Callable[[], None]) -> None:
-        """Call ``callback`` once ``param``'s all-reduce of this backward has been issued: now, or when
-        the last gradient of its bucket arrives. For work that needs the reduced gradient before the
-        backward ends (``CUDAGraphTrainStep(overlap_optimizer=True)`` updates each parameter then); the
-        callback calls ``wait_for``."""
-        bucket = self._bucket_of.get(id(param))
-        if bucket is not None and bucket.reduction is None and id(param) not in self._pending:
-            bucket.waiting.append(callback)
-        else:
-            callback()
 
     def wait_for(self, param: nn.Parameter) -> bool:
         """Make the current stream wait for ``param``'s all-reduce of this backward (averaged once this
-        returns); False if this sync did not issue one."""
+        returns); False if this sync did not issue one. For work that needs one reduced gradient before
+        the backward ends (``CUDAGraphTrainStep(overlap_optimizer=True)`` updates each parameter then)."""
         pending = self._pending.pop(id(param), [])
-        for reduction in pending:
-            reduction.finish(self._divide_by())
+        for grad, work in pending:
+            self._finish(grad, work)
         return bool(pending)
 
     def reduces(self, param: nn.Parameter) -> bool:
         """Whether ``param``'s gradient is averaged by this sync (in the backwards it is enabled for)."""
         return id(param) in self._ids
 
-    def _divide_by(self) -> int | None:
-        return None if self.average_in_collective else self.world
-
-    def _finish_pending(self) -> None:
-        pending, self._pending = self._pending, {}
-        for reductions in pending.values():
-            for reduction in reductions:
-                reduction.finish(self._divide_by())
-
     def _wait_all(self) -> None:
-        for bucket in self._buckets:  # gradients that never came (unused parameters): reduce the rest
-            if bucket.reduction is None and bucket.arrived:
-                self._launch(bucket)
-        self._finish_pending()
-        for bucket in self._buckets:
-            bucket.reset()
-        self._task = None
+        pending, self._pending = self._pending, {}
+        for pairs in pending.values():
+            for grad, work in pairs:
+                self._finish(grad, work)
 
-
-def _make_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[_Bucket]:
-    """Buckets of consecutive parameters in reverse registration order (about the order in which the
-    backward produces their gradients, DDP's first guess), one dtype and device each; parameters of
-    ``bucket_bytes`` or more and DTensors stay out (reduced on their own, in place). Fixed from the
-    first backward on: a resumed run reduces exactly as the run it continues."""
-    groups: list[list[nn.Parameter]] = [[]]
-    for param in reversed(params):
-        size = param.numel() * param.element_size()
-        if isinstance(param, DTensor) or size >= bucket_bytes:
-            continue
-        current = groups[-1]
-        if current and (param.dtype != current[0].dtype or param.device != current[0].device
-                        or sum(p.numel() * p.element_size() for p in current) + size > bucket_bytes):  # fmt: skip
-            groups.append(current := [])
-        current.append(param)
-    return [_Bucket(group) for group in groups if len(group) > 1]
-
+    def _finish(self, grad: torch.Tensor, work: dist.Work) -> None:
+        work.wait()
+        if not self.average_in_collective:
+            grad.div_(self.world)
 
 
 @contextlib.contextmanager

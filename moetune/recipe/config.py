@@ -181,9 +181,6 @@ class DistributedConfig:
     replicate_max_ctas: int = 16
     """With dense_parallel "replicate" on NCCL: the most CTAs of the gradient all-reduces'
     communicator (few, so they leave bandwidth to the experts' collectives); 0: NCCL's own choice."""
-    replicate_bucket_mb: float = 64.0
-    """With dense_parallel "replicate": gradients smaller than this many MiB are all-reduced together in
-    buckets of about that size (fewer collectives); 0: one all-reduce per parameter."""
     reduce_dtype: str = "float32"
     """Gradient reduce-scatter dtype with ep_size > 1 ("float32" exact sums, or "bfloat16")."""
     backend: str = ""
@@ -256,7 +253,6 @@ def validate(config: JobConfig) -> JobConfig:
         check(value >= 1, name, f"must be >= 1, got {value}")
     for name, value in [
         ("distributed.replicate_max_ctas", config.distributed.replicate_max_ctas),
-        ("distributed.replicate_bucket_mb", config.distributed.replicate_bucket_mb),
         ("optim.warmup_steps", config.optim.warmup_steps),
         ("optim.weight_decay", config.optim.weight_decay),
         ("optim.grad_clip", config.optim.grad_clip),

@@ -55,7 +55,6 @@ def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora) -> di
         "ep_dispatch": config.ep_dispatch,
         "dense_parallel": config.dense_parallel,
         "replicate_max_ctas": config.replicate_max_ctas or None,
-        "replicate_bucket_mb": config.replicate_bucket_mb or None,
         "reduce_dtype": getattr(torch, config.reduce_dtype),
         "lora": lora,
     }

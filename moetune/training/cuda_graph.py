@@ -45,10 +45,9 @@ replays when the rate is a device tensor updated in place (torch's schedulers do
 backward graph, on a second stream (the graph's own stream is created with the high priority): the
 memory-bound updates run beside the backward's kernels and fill its waits for expert-parallel
 collectives, and the optimizer graph only updates what the backward did not. A replicated
-parameter's update waits for its all-reduce (``ReplicatedGradientSync.after_reduction``: its
-bucket's, issued when the bucket's last gradient arrives), on the second stream. Measured on
-H200s: 120.3 -> 115.3 ms per 16-layer step on one GPU, 119.7 -> 117.0 ms with ep=2 on two
-(benchmarks/README.md).
+parameter's update waits for its own all-reduce (``ReplicatedGradientSync.wait_for``), on the
+second stream. Measured on H200s: 120.3 -> 115.3 ms per 16-layer step on one GPU, 119.7 -> 117.0
+ms with ep=2 on two (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -248,30 +247,24 @@ class CUDAGraphTrainStep:
                 "overlap_optimizer off"
             )
         self._updated.add(param)
+        if self._update_stream is None:
+            self._step_after_reduction(param)
+            return
+        self._update_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._update_stream):
+            self._step_after_reduction(param)
+
+    def _step_after_reduction(self, param: torch.Tensor) -> None:
         # Read at each update: resize_token_embeddings replaces the model's dense sync in that list.
         for sync in getattr(self.model, "replicated_gradient_syncs", ()):
             if sync.reduces(param):
                 if not sync.enabled:
                     raise RuntimeError("CUDA-graph step: overlap_optimizer cannot run inside model.no_sync()")
-                # A bucketed gradient's all-reduce starts when the last gradient of its bucket arrives.
-                sync.after_reduction(param, lambda: self._launch_update(param, sync))
-                return
-        self._launch_update(param, None)
-
-    def _launch_update(self, param: torch.Tensor, sync) -> None:
-        if self._update_stream is None:
-            self._step_after_reduction(param, sync)
-            return
-        self._update_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._update_stream):
-            self._step_after_reduction(param, sync)
-
-    def _step_after_reduction(self, param: torch.Tensor, sync) -> None:
-        if sync is not None and not sync.wait_for(param):
-            raise RuntimeError(
-                "CUDA-graph step: a replicated parameter's gradient was not all-reduced before its overlapped "
-                "update (build the CUDAGraphTrainStep after parallelising the model)"
-            )
+                if not sync.wait_for(param):
+                    raise RuntimeError(
+                        "CUDA-graph step: a replicated parameter's gradient was not all-reduced before its overlapped "
+                        "update (build the CUDAGraphTrainStep after parallelising the model)"
+                    )
         self.optimizer.step_parameter(param)
 
     def _eager_optimizer_step(self) -> None:
