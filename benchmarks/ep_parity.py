@@ -28,6 +28,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout works without installing moetune
 import moetune  # noqa: E402
+from moetune.bench.cli import _moetune_options  # noqa: E402
 from moetune.distributed import clip_grad_norm_  # noqa: E402
 
 
@@ -51,6 +52,7 @@ def parse_args() -> argparse.Namespace:
         "step's loss and gradients, and time the replays (needs --ep-dispatch allgather --dense-parallel replicate)",
     )
     parser.add_argument("--overlap-optimizer", action="store_true", help="with --cuda-graph: updates during backward")
+    parser.add_argument("--option", action="append", default=[], help="a moetune option, key=value (repeatable)")
     parser.add_argument("--checkpoint", default=None, help="a Qwen3-MoE folder; default: a random one in /tmp")
     return parser.parse_args()
 
@@ -116,6 +118,7 @@ def main() -> None:
         ep_overlap_chunks=args.ep_overlap_chunks,
         ep_dispatch=args.ep_dispatch,
         dense_parallel=args.dense_parallel,
+        **_moetune_options(argparse.Namespace(moetune_option=args.option)),
     ).train()
     ref = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device).train()
     vocab = model.config.vocab_size
@@ -191,6 +194,7 @@ def main() -> None:
         print(
             f"RESULT ep_parity {'PASS' if ok else 'FAIL'} world={world} ep={ep} chunks={args.ep_overlap_chunks} "
             f"dispatch={args.ep_dispatch} dense={args.dense_parallel} cuda_graph={args.cuda_graph} "
+            f"options={','.join(args.option) or '-'} "
             f"graph_vs_eager_rel={'-' if graph_err is None else f'{graph_err:.1e}'} "
             f"dtype={args.dtype} steps={args.steps} "
             f"max_loss_rel={worst_loss:.2e} (tol {loss_tol:.0e}) max_grad_rel={worst_grad:.2e} (tol {grad_tol:.0e}) "

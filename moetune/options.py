@@ -59,6 +59,11 @@ class MoetuneOptions:
     the NVLink bandwidth and SMs that the experts' per-layer collectives on the critical path need. On
     2 H200s (16 layers, ep=2) 8 or 16 measured 113.6-114.0 ms per step against 116.1-116.5 uncapped
     (4: 119.1, 2: 130.0; benchmarks/README.md). None: NCCL's own choice."""
+    replicate_transport: str = "nccl"
+    """``dense_parallel='replicate'``: how the replicated gradients are averaged. 'nccl': an all-reduce
+    per gradient; 'copy_engine' (two ranks on one node, CUDA): each gradient is copied into the peer's
+    symmetric-memory buffer by a copy engine and added there, with no NCCL kernel holding SMs
+    (``moetune.distributed.peer_copy``)."""
 
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
@@ -69,6 +74,8 @@ class MoetuneOptions:
         )
         if self.replicate_max_ctas is not None and not is_positive_int(self.replicate_max_ctas):
             raise ValueError(f"replicate_max_ctas must be a positive int (or None), got {self.replicate_max_ctas!r}")
+        if self.replicate_transport not in REPLICATE_TRANSPORTS:
+            raise ValueError(f"replicate_transport must be one of {REPLICATE_TRANSPORTS}, got {self.replicate_transport!r}")
         if self.dense_parallel not in DENSE_PARALLEL:
             raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {self.dense_parallel!r}")
 
@@ -83,6 +90,7 @@ class MoetuneOptions:
 
 EP_DISPATCH = ("alltoall", "allgather")
 DENSE_PARALLEL = ("fsdp", "replicate")
+REPLICATE_TRANSPORTS = ("nccl", "copy_engine")
 
 
 def is_positive_int(value: Any) -> bool:

@@ -71,6 +71,8 @@ class ParallelConfig:
     ranks that hold the same experts), gradients averaged in the backward (replicate.py)."""
     replicate_max_ctas: int | None = 16
     """'replicate' on NCCL: the most CTAs of the gradient all-reduces' communicator (None: NCCL's choice)."""
+    replicate_transport: str = "nccl"
+    """'replicate': 'nccl' all-reduces, or 'copy_engine' (two ranks: symmetric memory, peer_copy.py)."""
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
@@ -135,7 +137,7 @@ def check_dense_parallel(name: str, mesh: ParallelMesh) -> None:
 
 
 def replicate_dense_parameters(
-    model: nn.Module, mesh: ParallelMesh, *, max_ctas: int | None = None
+    model: nn.Module, mesh: ParallelMesh, *, max_ctas: int | None = None, transport: str = "nccl"
 ) -> list[ReplicatedGradientSync]:
     """For an allocated model parallelized with ``dense_parallel='replicate'``: equal copies of the
     non-expert parameters on every rank, and their gradients averaged over all ranks in every
@@ -151,7 +153,7 @@ def replicate_dense_parameters(
     # also the flattened world's; a separate communicator alone measured no gain.
     group = dist.new_group(ranks=list(range(mesh.world_size)), group_desc="moetune_replicated_grads",
                            pg_options=_nccl_options(max_ctas))  # fmt: skip
-    syncs = [_dense_gradient_sync(model, group)]
+    syncs = [_dense_gradient_sync(model, group, transport=transport)]
     if mesh.world_size > mesh.ep_size:
         experts = [p for p in model.parameters() if isinstance(p, DTensor)]
         replicas = mesh.dp_shard_mod_ep.get_group()
@@ -170,7 +172,7 @@ def _nccl_options(max_ctas: int | None):
     return options
 
 
-def _dense_gradient_sync(model: nn.Module, group: dist.ProcessGroup) -> ReplicatedGradientSync:
+def _dense_gradient_sync(model: nn.Module, group: dist.ProcessGroup, *, transport: str = "nccl") -> ReplicatedGradientSync:
     """The all-reduce of every non-expert gradient but the input embedding's, which is built averaged
     from the gathered tokens where it can be (``gather_embedding_gradients``)."""
     dense = [p for p in model.parameters() if not isinstance(p, DTensor)]
@@ -179,7 +181,7 @@ def _dense_gradient_sync(model: nn.Module, group: dist.ProcessGroup) -> Replicat
     tied = output is not None and output.weight is embedding.weight
     if not tied and gather_embedding_gradients(embedding, group=group):  # averaged in its own backward
         dense = [p for p in dense if p is not embedding.weight]
-    return ReplicatedGradientSync(dense, group=group)
+    return ReplicatedGradientSync(dense, group=group, transport=transport)
 
 
 def resize_token_embeddings_replicated(model: nn.Module, resize, *args, **kwargs):
@@ -192,7 +194,7 @@ def resize_token_embeddings_replicated(model: nn.Module, resize, *args, **kwargs
     resized = [module.weight for module in (model.get_input_embeddings(), model.get_output_embeddings()) if module is not None]
     broadcast_parameters(list({id(p): p for p in resized}.values()), group=group)
     syncs[0].remove()
-    syncs[0] = _dense_gradient_sync(model, group)  # the same list: model.no_sync holds it
+    syncs[0] = _dense_gradient_sync(model, group, transport=syncs[0].transport)  # the same list: model.no_sync holds it
     return result
 
 
@@ -349,8 +351,17 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         ep_dispatch=getattr(options, "ep_dispatch", "alltoall"),
         dense_parallel=getattr(options, "dense_parallel", "fsdp"),
         replicate_max_ctas=getattr(options, "replicate_max_ctas", 16),
+        replicate_transport=getattr(options, "replicate_transport", "nccl"),
         lora=getattr(options, "lora", None),
     )
+    if config.replicate_transport == "copy_engine" and (
+        config.dense_parallel != "replicate" or device.type != "cuda" or dist.get_world_size() != 2
+    ):
+        raise ValueError(
+            "replicate_transport='copy_engine' averages replicated gradients between two CUDA ranks: it needs "
+            f"dense_parallel='replicate', CUDA and 2 processes (got dense_parallel={config.dense_parallel!r}, "
+            f"device {device.type}, {dist.get_world_size()} processes)"
+        )
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the mesh: NCCL communicators bind to the current device
     mesh = build_mesh(
@@ -364,7 +375,7 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         reset_lora_parameters(model)
     if config.dense_parallel == "replicate":
         model.replicated_gradient_syncs = replicate_dense_parameters(  # kept alive with the model
-            model, mesh, max_ctas=config.replicate_max_ctas
+            model, mesh, max_ctas=config.replicate_max_ctas, transport=config.replicate_transport
         )
         # DDP's name, which accelerate (Transformers' Trainer) and the recipe call for all but the last
         # micro-batch of a step.

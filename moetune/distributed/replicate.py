@@ -43,16 +43,25 @@ from moetune.distributed.token_counts import LargestTokenCount
 class ReplicatedGradientSync:
     """Averages the gradients of ``params`` over ``group`` in every backward."""
 
-    def __init__(self, params: Iterable[nn.Parameter], *, group: dist.ProcessGroup) -> None:
+    def __init__(self, params: Iterable[nn.Parameter], *, group: dist.ProcessGroup, transport: str = "nccl") -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group = group
         self.world = dist.get_world_size(group)
         # gloo has no AVG reduction: sum, then divide once the reduction is done.
         self.average_in_collective = "nccl" in str(dist.get_backend(group)).lower()
+        self.transport = transport
+        self._peer = None  # 'copy_engine': plain gradients averaged through symmetric memory (peer_copy.py)
+        if transport == "copy_engine":
+            from moetune.distributed.peer_copy import PeerCopyAverage
+
+            plain = [p for p in self.params if not isinstance(p, DTensor)]
+            self._peer = PeerCopyAverage(plain, group=group) if plain else None
+        elif transport != "nccl":
+            raise ValueError(f"replicate_transport must be 'nccl' or 'copy_engine', got {transport!r}")
         self._ids = {id(p) for p in self.params}
-        # id(param) -> its (gradient, all-reduce) pairs issued in this backward (two if autograd
+        # id(param) -> its (gradient, all-reduce, averaged) entries issued in this backward (two if autograd
         # accumulated it twice, e.g. reentrant checkpointing), in issue order.
-        self._pending: dict[int, list[tuple[torch.Tensor, dist.Work]]] = {}
+        self._pending: dict[int, list[tuple[torch.Tensor, dist.Work, bool]]] = {}
         self.enabled = True
         """False inside ``no_gradient_sync``: gradients accumulate locally, unreduced."""
         self._handles = [p.register_post_accumulate_grad_hook(self._reduce) for p in self.params]
@@ -70,8 +79,11 @@ class ReplicatedGradientSync:
         # An expert's DTensor gradient (replicated over the ranks holding the same experts): its local
         # tensor, in place.
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-        work = dist.all_reduce(grad, op=op, group=self.group, async_op=True)
-        self._pending.setdefault(id(param), []).append((grad, work))
+        if self._peer is not None and self._peer.covers(param, grad):
+            work, averaged = self._peer.average(param, grad), True
+        else:
+            work, averaged = dist.all_reduce(grad, op=op, group=self.group, async_op=True), self.average_in_collective
+        self._pending.setdefault(id(param), []).append((grad, work, averaged))
         # Queued by every hook (the later calls find nothing left to wait for): no state that a
         # backward interrupted by an exception could leave stale for the next one.
         torch.autograd.Variable._execution_engine.queue_callback(self._wait_all)
@@ -81,8 +93,8 @@ class ReplicatedGradientSync:
         returns); False if this sync did not issue one. For work that needs one reduced gradient before
         the backward ends (``CUDAGraphTrainStep(overlap_optimizer=True)`` updates each parameter then)."""
         pending = self._pending.pop(id(param), [])
-        for grad, work in pending:
-            self._finish(grad, work)
+        for grad, work, averaged in pending:
+            self._finish(grad, work, averaged)
         return bool(pending)
 
     def reduces(self, param: nn.Parameter) -> bool:
@@ -91,13 +103,15 @@ class ReplicatedGradientSync:
 
     def _wait_all(self) -> None:
         pending, self._pending = self._pending, {}
-        for pairs in pending.values():
-            for grad, work in pairs:
-                self._finish(grad, work)
+        for entries in pending.values():
+            for grad, work, averaged in entries:
+                self._finish(grad, work, averaged)
+        if self._peer is not None:
+            self._peer.end_backward()
 
-    def _finish(self, grad: torch.Tensor, work: dist.Work) -> None:
+    def _finish(self, grad: torch.Tensor, work, averaged: bool) -> None:
         work.wait()
-        if not self.average_in_collective:
+        if not averaged:
             grad.div_(self.world)
 
 

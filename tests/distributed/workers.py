@@ -551,6 +551,9 @@ def bad_inputs(rank: int, world_size: int, folder: str) -> None:
         "expected a 2-D mesh": ({}, dict(device_mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("dp",)))),
         "disagrees with the device_mesh": ({}, dict(ep_size=2, device_mesh=_mesh(2, 1))),
         "must be a torch.distributed.device_mesh.DeviceMesh": ({}, dict(device_mesh="2x1")),
+        "averages replicated gradients between two CUDA ranks": (
+            {}, dict(ep_size=2, ep_dispatch="allgather", dense_parallel="replicate", replicate_transport="copy_engine")
+        ),
     }
     allocated = []
     original_to_empty = torch.nn.Module.to_empty
