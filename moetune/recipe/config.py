@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moetune.lora import LoraSettings
-from moetune.options import DENSE_PARALLEL, EP_DISPATCH
+from moetune.options import DENSE_PARALLEL, EP_DISPATCH, REPLICATE_TRANSPORTS
 
 DEFAULT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "default"
 """The shipped default job's files: tiny Qwen3-MoE config, tokenizer, arithmetic dataset."""
@@ -178,6 +178,9 @@ class DistributedConfig:
     """With ep_size > 1, the non-expert parameters: "fsdp" (sharded) or "replicate" (whole on every
     rank, gradients all-reduced; with ep_size < processes the experts are replicated over the
     ranks that hold the same experts)."""
+    replicate_transport: str = "nccl"
+    """With dense_parallel "replicate": "nccl" all-reduces, or "copy_engine" (2 GPU processes: a
+    copy-engine push through symmetric memory per gradient; moetune/distributed/README.md)."""
     replicate_max_ctas: int = 16
     """With dense_parallel "replicate" on NCCL: the most CTAs of the gradient all-reduces'
     communicator (few, so they leave bandwidth to the experts' collectives); 0: NCCL's own choice."""
@@ -234,6 +237,8 @@ def validate(config: JobConfig) -> JobConfig:
           f"{config.distributed.ep_dispatch!r} is not one of {EP_DISPATCH}")
     check(config.distributed.dense_parallel in DENSE_PARALLEL, "distributed.dense_parallel",
           f"{config.distributed.dense_parallel!r} is not one of {DENSE_PARALLEL}")
+    check(config.distributed.replicate_transport in REPLICATE_TRANSPORTS, "distributed.replicate_transport",
+          f"{config.distributed.replicate_transport!r} is not one of {REPLICATE_TRANSPORTS}")
     check(config.distributed.ep_dispatch == "alltoall" or config.distributed.ep_overlap_chunks == 1,
           "distributed.ep_overlap_chunks", "chunked overlap refines the all-to-all dispatcher; with "
           "distributed.ep_dispatch 'allgather' leave it at 1")

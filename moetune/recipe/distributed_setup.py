@@ -55,6 +55,7 @@ def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora) -> di
         "ep_dispatch": config.ep_dispatch,
         "dense_parallel": config.dense_parallel,
         "replicate_max_ctas": config.replicate_max_ctas or None,
+        "replicate_transport": config.replicate_transport,
         "reduce_dtype": getattr(torch, config.reduce_dtype),
         "lora": lora,
     }
