@@ -63,7 +63,8 @@ class MoetuneOptions:
     """``dense_parallel='replicate'``: how the replicated gradients are averaged. 'nccl': an all-reduce
     per gradient; 'copy_engine' (two ranks on one node, CUDA): each gradient is copied into the peer's
     symmetric-memory buffer by a copy engine and added there, with no NCCL kernel holding SMs
-    (``moetune.distributed.peer_copy``)."""
+    (``moetune.distributed.peer_copy``; a receive buffer of the replicated gradients' size per rank).
+    On 2 H200s ~1 ms of a ~115 ms 16-layer step."""
 
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):

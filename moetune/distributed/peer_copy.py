@@ -11,7 +11,8 @@ average, and the same value on both ranks (the sum's two terms are the same numb
 
 How, per gradient, on a stream of its own: (first of a backward only) a barrier, so that the peer has
 consumed last step's buffer before it is overwritten; the push; a barrier (both pushes landed); the
-add. The caller waits for the event recorded after the add. Everything is a kernel, a memcpy or an
+add. A receive buffer of the gradients' size per rank (symmetric memory). A second gradient of one
+parameter in one backward goes through NCCL instead (``covers``). The caller waits for the event recorded after the add. Everything is a kernel, a memcpy or an
 event, so it is captured in CUDA graphs. Two ranks on one node (NVLink / P2P), CUDA only.
 """
 
@@ -65,20 +66,26 @@ class PeerCopyAverage:
             self.received[dtype], self.handles[dtype] = buffer, handle
             self.peer_received[dtype] = handle.get_buffer(peer, (size,), dtype)
         self.stream = torch.cuda.Stream(device=device)
-        self._fresh = True
+        self._task: int | None = None  # the backward (autograd graph task) that pushed last
+        self._pushed: set[int] = set()  # parameters pushed in that backward
 
     def covers(self, param: nn.Parameter, grad: torch.Tensor) -> bool:
-        return id(param) in self.slots and grad.is_contiguous() and grad.dtype == param.dtype
+        """Whether this gradient can go through the peer's buffer: a second gradient of a parameter in
+        one backward (reentrant checkpointing) cannot, as the peer may not have read the first yet."""
+        first = id(param) not in self._pushed or torch._C._current_graph_task_id() != self._task
+        return first and id(param) in self.slots and grad.is_contiguous() and grad.dtype == param.dtype
 
     def average(self, param: nn.Parameter, grad: torch.Tensor) -> _EventWork:
         dtype, start = self.slots[id(param)]
         handle, end = self.handles[dtype], start + grad.numel()
         self.stream.wait_stream(torch.cuda.current_stream())
+        task = torch._C._current_graph_task_id()
         with torch.cuda.stream(self.stream):
-            if self._fresh:  # the peer is done with what this rank pushed in the last backward
+            if task != self._task:  # a new backward: the peer is done with what this rank pushed before
+                self._task, self._pushed = task, set()
                 for each in self.handles.values():
                     each.barrier(channel=0)
-                self._fresh = False
+            self._pushed.add(id(param))
             self.peer_received[dtype][start:end].copy_(grad.reshape(-1))
             handle.barrier(channel=0)
             grad.add_(self.received[dtype][start:end].view_as(grad)).mul_(0.5)
@@ -87,4 +94,4 @@ class PeerCopyAverage:
         return _EventWork(event)
 
     def end_backward(self) -> None:
-        self._fresh = True
+        self._task, self._pushed = None, set()
