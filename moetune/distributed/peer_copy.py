@@ -66,8 +66,10 @@ class PeerCopyAverage:
             self.received[dtype], self.handles[dtype] = buffer, handle
             self.peer_received[dtype] = handle.get_buffer(peer, (size,), dtype)
         self.stream = torch.cuda.Stream(device=device)
-        self._task: int | None = None  # the backward (autograd graph task) that pushed last
-        self._pushed: set[int] = set()  # parameters pushed in that backward
+        # The backward (autograd graph task) that pushed last, and what it pushed: a new task id is a
+        # new backward, so no end-of-backward reset is needed (nor missed after an exception).
+        self._task: int | None = None
+        self._pushed: set[int] = set()
 
     def covers(self, param: nn.Parameter, grad: torch.Tensor) -> bool:
         """Whether this gradient can go through the peer's buffer: a second gradient of a parameter in
@@ -92,6 +94,3 @@ class PeerCopyAverage:
             event = torch.cuda.Event()
             event.record(self.stream)
         return _EventWork(event)
-
-    def end_backward(self) -> None:
-        self._task, self._pushed = None, set()

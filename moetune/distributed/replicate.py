@@ -38,10 +38,13 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor
 
 from moetune.distributed.token_counts import LargestTokenCount
+from moetune.options import REPLICATE_TRANSPORTS
 
 
 class ReplicatedGradientSync:
-    """Averages the gradients of ``params`` over ``group`` in every backward."""
+    """Averages the gradients of ``params`` over ``group`` in every backward: NCCL / gloo all-reduces, or
+    with ``transport="copy_engine"`` (two CUDA ranks) copy-engine pushes through symmetric memory for
+    the plain tensors (``peer_copy.PeerCopyAverage``; DTensor gradients still all-reduce)."""
 
     def __init__(self, params: Iterable[nn.Parameter], *, group: dist.ProcessGroup, transport: str = "nccl") -> None:
         self.params = [p for p in params if p.requires_grad]
@@ -56,8 +59,8 @@ class ReplicatedGradientSync:
 
             plain = [p for p in self.params if not isinstance(p, DTensor)]
             self._peer = PeerCopyAverage(plain, group=group) if plain else None
-        elif transport != "nccl":
-            raise ValueError(f"replicate_transport must be 'nccl' or 'copy_engine', got {transport!r}")
+        elif transport not in REPLICATE_TRANSPORTS:
+            raise ValueError(f"replicate_transport must be one of {REPLICATE_TRANSPORTS}, got {transport!r}")
         self._ids = {id(p) for p in self.params}
         # id(param) -> its (gradient, all-reduce, averaged) entries issued in this backward (two if autograd
         # accumulated it twice, e.g. reentrant checkpointing), in issue order.
@@ -106,8 +109,6 @@ class ReplicatedGradientSync:
         for entries in pending.values():
             for grad, work, averaged in entries:
                 self._finish(grad, work, averaged)
-        if self._peer is not None:
-            self._peer.end_backward()
 
     def _finish(self, grad: torch.Tensor, work, averaged: bool) -> None:
         work.wait()
