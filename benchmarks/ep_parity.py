@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout works
 import moetune  # noqa: E402
 from moetune.bench.cli import _moetune_options  # noqa: E402
 from moetune.distributed import clip_grad_norm_  # noqa: E402
+from moetune.options import EP_DISPATCH  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--loss-tol", type=float, default=None, help="default 2e-2 (bf16) / 1e-4 (fp32)")
     parser.add_argument("--grad-tol", type=float, default=None, help="default 5e-2 (bf16) / 1e-3 (fp32)")
     parser.add_argument("--ep-overlap-chunks", type=int, default=1, help="> 1: the pipelined dispatcher")
-    parser.add_argument("--ep-dispatch", default="alltoall", choices=["alltoall", "allgather"])
+    parser.add_argument("--ep-dispatch", default="alltoall", choices=list(EP_DISPATCH))
     parser.add_argument("--dense-parallel", default="fsdp", choices=["fsdp", "replicate"])
     parser.add_argument(
         "--cuda-graph", action="store_true",

@@ -68,7 +68,7 @@ fi
 GRAPHABLE_EP=(--moetune-option ep_dispatch=allgather --moetune-option dense_parallel=replicate --moetune-optimizer moetune)
 if stage paritygraph; then
   echo "== EP parity, all-gather dispatcher + replicated dense parameters, CUDA-graph replays"
-  timeout 200 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/ep_parity.py --ep-dispatch allgather \
+  timeout 200 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/ep_parity.py --ep-dispatch "${PARITY_DISPATCH:-allgather}" \
     --dense-parallel replicate --cuda-graph ${PARITY_EXTRA---overlap-optimizer} 2>&1 | grep -E "RESULT|graph replay|Error|error" || status=1
 fi
 

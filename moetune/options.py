@@ -45,7 +45,9 @@ class MoetuneOptions:
     (``ep_capacity_factor`` / ``ep_overlap_chunks`` refine it); 'allgather' gives every rank all the
     tokens of the ep group and reduce-scatters the experts' partial outputs: fewer bytes when
     ep <= top-k, and with equal token counts on the ranks fixed shapes and no host sync, so the step
-    can be captured in a CUDA graph (``moetune.distributed.AllGatherExpertParallelDispatcher``)."""
+    can be captured in a CUDA graph (``moetune.distributed.AllGatherExpertParallelDispatcher``);
+    'allgather_overlap' is 'allgather' with its collectives travelling while the experts compute the
+    rank's own tokens (same results; ``moetune.distributed.OverlappedAllGatherDispatcher``)."""
     dense_parallel: str = "fsdp"
     """Parameters other than the experts: 'fsdp' shards them with FSDP2 over all ranks; 'replicate'
     keeps full copies on every rank and averages their gradients (DDP-style), which with
@@ -89,7 +91,8 @@ class MoetuneOptions:
         return self.device_mesh is not None or (self.ep_size is not None and self.ep_size > 1)
 
 
-EP_DISPATCH = ("alltoall", "allgather")
+EP_DISPATCH = ("alltoall", "allgather", "allgather_overlap")
+ALLGATHER_DISPATCH = ("allgather", "allgather_overlap")
 DENSE_PARALLEL = ("fsdp", "replicate")
 REPLICATE_TRANSPORTS = ("nccl", "copy_engine")
 
@@ -115,8 +118,8 @@ def check_ep_dispatch(name: Any, *, capacity_factor: float | None, overlap_chunk
     """``ep_dispatch``: one of ``EP_DISPATCH``; the capacity and chunking options refine 'alltoall' only."""
     if name not in EP_DISPATCH:
         raise ValueError(f"ep_dispatch must be one of {EP_DISPATCH}, got {name!r}")
-    if name == "allgather" and (capacity_factor is not None or overlap_chunks != 1):
+    if name in ALLGATHER_DISPATCH and (capacity_factor is not None or overlap_chunks != 1):
         raise ValueError(
-            "ep_dispatch='allgather' takes neither ep_capacity_factor nor ep_overlap_chunks > 1 "
+            f"ep_dispatch={name!r} takes neither ep_capacity_factor nor ep_overlap_chunks > 1 "
             f"(got {capacity_factor!r}, {overlap_chunks!r}): those refine the all-to-all dispatcher"
         )

@@ -207,3 +207,44 @@ def test_gathered_input_saves_the_gathered_rows_memory_cuda():
         torch.autograd.grad(y_NH, [x_TH, *experts.parameters()], torch.ones_like(y_NH))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def check_parts_equal_all(kind, backend, *, device="cpu", dtype=torch.float32):
+    """``part="in"`` then ``part="out"`` (what the overlapped all-gather dispatcher calls) gives the
+    output and gradients of one ``part="all"`` call, padding rows included."""
+    num_tokens, top_k, num_local, hidden, width = 9, 2, 4, 16, 8
+    experts = make_experts(kind, backend=backend, num_experts=num_local, hidden=hidden, width=width, device=device, dtype=dtype)
+    order_N, counts_E = routed_slots(num_tokens, top_k, num_local=num_local, num_remote=3, device=device)
+    num_valid = int(counts_E.sum())
+    x_TH = torch.randn(num_tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+    probe_NH = torch.randn(num_tokens * top_k, hidden, device=device, dtype=dtype)
+    gather = dict(gather_order=order_N, gather_top_k=top_k)
+
+    def run(split: bool):
+        if split:
+            y_NH = experts(experts(x_TH, counts_E, part="in", **gather), counts_E, part="out")
+        else:
+            y_NH = experts(x_TH, counts_E, **gather)
+        y_NH = y_NH[:num_valid]
+        return y_NH, torch.autograd.grad((y_NH * probe_NH[:num_valid]).sum(), [x_TH, *experts.parameters()])
+
+    (whole, whole_grads), (parts, parts_grads) = run(False), run(True)
+    assert torch.equal(parts, whole)
+    for got, expected in zip(parts_grads, whole_grads):
+        assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="part must be one of"):
+        experts(x_TH, counts_E, part="middle")
+    with pytest.raises(ValueError, match="gather_order gathers the first projection's rows"):
+        experts(x_TH, counts_E, part="out", **gather)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_experts_parts_equal_one_call(kind):
+    check_parts_equal_all(kind, "loop")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_experts_parts_equal_one_call_bf16_cuda(kind):
+    check_parts_equal_all(kind, "auto", device="cuda", dtype=torch.bfloat16)

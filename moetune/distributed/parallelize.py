@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 from moetune.distributed.allgather_dispatcher import AllGatherExpertParallelDispatcher
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
 from moetune.distributed.mesh import ParallelMesh, build_mesh, rank_device, require_process_group
+from moetune.distributed.overlapped_allgather import OverlappedAllGatherDispatcher
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
 from moetune.distributed.replicate import (
     ReplicatedGradientSync,
@@ -262,6 +263,8 @@ def expert_parallel_dispatcher(
     check_ep_dispatch(dispatch, capacity_factor=capacity_factor, overlap_chunks=overlap_chunks)
     if dispatch == "allgather":
         return AllGatherExpertParallelDispatcher(group=group, ep_size=ep_size)
+    if dispatch == "allgather_overlap":
+        return OverlappedAllGatherDispatcher(group=group, ep_size=ep_size)
     if capacity_factor is not None:
         return CapacityExpertParallelDispatcher(group=group, ep_size=ep_size, capacity_factor=capacity_factor)
     if overlap_chunks > 1:

@@ -172,8 +172,9 @@ class DistributedConfig:
     moetune/distributed/README.md); 1 = no overlap."""
     ep_dispatch: str = "alltoall"
     """With ep_size > 1: "alltoall" (each routed copy of a token goes to its expert's rank) or
-    "allgather" (every rank gets the group's tokens; fewer bytes when ep_size <= top-k); see
-    moetune/distributed/README.md."""
+    "allgather" (every rank gets the group's tokens; fewer bytes when ep_size <= top-k) or
+    "allgather_overlap" (the same, its collectives travelling while the experts compute the rank's own
+    tokens); see moetune/distributed/README.md."""
     dense_parallel: str = "fsdp"
     """With ep_size > 1, the non-expert parameters: "fsdp" (sharded) or "replicate" (whole on every
     rank, gradients all-reduced; with ep_size < processes the experts are replicated over the
@@ -241,7 +242,7 @@ def validate(config: JobConfig) -> JobConfig:
           f"{config.distributed.replicate_transport!r} is not one of {REPLICATE_TRANSPORTS}")
     check(config.distributed.ep_dispatch == "alltoall" or config.distributed.ep_overlap_chunks == 1,
           "distributed.ep_overlap_chunks", "chunked overlap refines the all-to-all dispatcher; with "
-          "distributed.ep_dispatch 'allgather' leave it at 1")
+          f"distributed.ep_dispatch {config.distributed.ep_dispatch!r} leave it at 1")
     check(config.distributed.reduce_dtype in ("float32", "bfloat16"), "distributed.reduce_dtype",
           f"{config.distributed.reduce_dtype!r} is not one of ('float32', 'bfloat16')")
     check(config.data.on_bad_row in ON_BAD_ROW, "data.on_bad_row",

@@ -60,6 +60,11 @@ def test_allgather_dispatch_and_replicated_dense(checkpoint, tmp_path):
     spawn(replicate_workers.allgather_and_replicate_suite, 2, checkpoint, str(tmp_path))
 
 
+def test_overlapped_allgather_dispatch(checkpoint, tmp_path):
+    """ep_dispatch='allgather_overlap' equals one process and the all-gather dispatcher."""
+    spawn(replicate_workers.overlapped_allgather_suite, 2, checkpoint, str(tmp_path))
+
+
 def test_trainer(checkpoint, tmp_path):
     """moetune.Trainer on expert-parallel models equals Transformers' Trainer + DDP; save; resume."""
     pytest.importorskip("accelerate")  # Trainer needs it

@@ -157,7 +157,9 @@ def train_parity(
 
 
 def _expected_layout(options: dict) -> dict:
-    dispatcher = "AllGatherExpertParallelDispatcher" if options.get("ep_dispatch") == "allgather" else "ExpertParallelDispatcher"
+    dispatcher = {
+        "allgather": "AllGatherExpertParallelDispatcher", "allgather_overlap": "OverlappedAllGatherDispatcher"
+    }.get(options.get("ep_dispatch"), "ExpertParallelDispatcher")  # fmt: skip
     return {"dispatcher": dispatcher, "replicated": options.get("dense_parallel") == "replicate"}
 
 
