@@ -67,6 +67,11 @@ class MoetuneOptions:
     symmetric-memory buffer by a copy engine and added there, with no NCCL kernel holding SMs
     (``moetune.distributed.peer_copy``; a receive buffer of the replicated gradients' size per rank).
     On 2 H200s ~1 ms of a ~115 ms 16-layer step."""
+    ep_transport: str = "nccl"
+    """``ep_dispatch='allgather_overlap'``: how its collectives travel. 'nccl': NCCL (gloo) collectives
+    on a communication stream, any ep; 'copy_engine' (ep = 2 on one node, CUDA): copy-engine pushes
+    into the peer's symmetric memory, so that nothing that overlaps the experts' GEMMs takes their SMs
+    (``moetune.distributed.peer_exchange``)."""
 
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
@@ -79,6 +84,7 @@ class MoetuneOptions:
             raise ValueError(f"replicate_max_ctas must be a positive int (or None), got {self.replicate_max_ctas!r}")
         if self.replicate_transport not in REPLICATE_TRANSPORTS:
             raise ValueError(f"replicate_transport must be one of {REPLICATE_TRANSPORTS}, got {self.replicate_transport!r}")
+        check_ep_transport(self.ep_transport, dispatch=self.ep_dispatch)
         if self.dense_parallel not in DENSE_PARALLEL:
             raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {self.dense_parallel!r}")
 
@@ -95,6 +101,7 @@ EP_DISPATCH = ("alltoall", "allgather", "allgather_overlap")
 ALLGATHER_DISPATCH = ("allgather", "allgather_overlap")
 DENSE_PARALLEL = ("fsdp", "replicate")
 REPLICATE_TRANSPORTS = ("nccl", "copy_engine")
+EP_TRANSPORTS = ("nccl", "copy_engine")
 
 
 def is_positive_int(value: Any) -> bool:
@@ -112,6 +119,15 @@ def check_ep_overlap_chunks(num_chunks: Any, *, capacity_factor: float | None) -
             f"ep_overlap_chunks={num_chunks} cannot be combined with ep_capacity_factor={capacity_factor!r}: "
             "the pipelined dispatcher sends exact splits; set one of them only"
         )
+
+
+def check_ep_transport(name: Any, *, dispatch: str) -> None:
+    """``ep_transport``: one of ``EP_TRANSPORTS``; 'copy_engine' only moves the overlapped dispatcher's
+    collectives."""
+    if name not in EP_TRANSPORTS:
+        raise ValueError(f"ep_transport must be one of {EP_TRANSPORTS}, got {name!r}")
+    if name == "copy_engine" and dispatch != "allgather_overlap":
+        raise ValueError(f"ep_transport='copy_engine' moves ep_dispatch='allgather_overlap''s collectives; got ep_dispatch={dispatch!r}")
 
 
 def check_ep_dispatch(name: Any, *, capacity_factor: float | None, overlap_chunks: int) -> None:

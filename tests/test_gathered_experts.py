@@ -231,7 +231,10 @@ def check_parts_equal_all(kind, backend, *, device="cpu", dtype=torch.float32):
     (whole, whole_grads), (parts, parts_grads) = run(False), run(True)
     assert torch.equal(parts, whole)
     for got, expected in zip(parts_grads, whole_grads):
-        assert torch.equal(got, expected)
+        if device == "cuda" and experts.has_bias:  # the bias gradients' bf16 atomic sums vary run to run
+            torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+        else:
+            assert torch.equal(got, expected)
     with pytest.raises(ValueError, match="part must be one of"):
         experts(x_TH, counts_E, part="middle")
     with pytest.raises(ValueError, match="gather_order gathers the first projection's rows"):

@@ -54,10 +54,26 @@ from moetune.distributed.allgather_dispatcher import (
 )
 from moetune.distributed.comm_stream import CommStream, InFlight
 from moetune.distributed.dispatcher import scale_grad
+from moetune.distributed.peer_exchange import PeerExchange
 from moetune.kernels.permute import combine_rows, combine_rows_backward
 from moetune.moe.dispatch import apply_experts, sort_ids
 from moetune.moe.experts import GroupedExperts
 from moetune.moe.routing import Routing
+
+
+class NcclTransport:
+    """The dispatcher's all-gather and reduce-scatter as NCCL (gloo on CPU) collectives launched from
+    the communication stream (comm_stream.py); any ep."""
+
+    def __init__(self, *, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group, self.world = group, dist.get_world_size(group)
+        self.comm = CommStream.on(device)
+
+    def gather(self, x: torch.Tensor) -> InFlight:
+        return self.comm.launch(lambda t: _gather(t, self.group, self.world), x)
+
+    def scatter_sum(self, x: torch.Tensor) -> InFlight:
+        return self.comm.launch(lambda t: _scatter_sum(t, self.group, self.world), x)
 
 
 @dataclass
@@ -65,8 +81,7 @@ class _Layer:
     """One MoE layer call's collectives in flight, handed from the Function that launches each to the
     Function that reads its output (forward and backward)."""
 
-    comm: CommStream
-    group: dist.ProcessGroup
+    transport: NcclTransport | PeerExchange
     world: int
     tokens: InFlight | None = None  # forward: the packed rows of every rank's tokens
     peer_sums: InFlight | None = None  # forward: the peers' partial sums of this rank's tokens
@@ -74,10 +89,13 @@ class _Layer:
     token_grads: list[InFlight] = field(default_factory=list)  # backward: this rank's tokens' gradients from the peers
 
     def gather(self, x: torch.Tensor) -> InFlight:
-        return self.comm.launch(lambda t: _gather(t, self.group, self.world), x)
+        return self.transport.gather(x)
 
     def scatter_sum(self, x: torch.Tensor) -> InFlight:
-        return self.comm.launch(lambda t: _scatter_sum(t, self.group, self.world), x)
+        return self.transport.scatter_sum(x)
+
+    def wait(self, pending: InFlight) -> torch.Tensor:
+        return self.transport.comm.wait(pending)
 
 
 class _LaunchTokenGather(torch.autograd.Function):
@@ -99,7 +117,7 @@ class _LaunchTokenGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _dx_GH, _dweights_GK, _):
         layer = ctx.layer
-        dx_TH, dweights_TK = (layer.comm.wait(pending) if pending is not None else None for pending in layer.token_grads)
+        dx_TH, dweights_TK = (layer.wait(pending) if pending is not None else None for pending in layer.token_grads)
         return dx_TH, dweights_TK, None, None
 
 
@@ -111,7 +129,7 @@ class _AwaitTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_GH, weights_GK, layer: _Layer):
         ctx.layer = layer
-        layer.comm.wait(layer.tokens)
+        layer.wait(layer.tokens)
         return x_GH.view_as(x_GH), weights_GK.view_as(weights_GK)
 
     @staticmethod
@@ -141,7 +159,7 @@ class _CombineAndSendPeerSums(torch.autograd.Function):
     @staticmethod
     def backward(ctx, _):
         y_NH, weights_GK, order_N, num_valid = ctx.saved_tensors
-        dout_GH = ctx.layer.comm.wait(ctx.layer.output_grad)
+        dout_GH = ctx.layer.wait(ctx.layer.output_grad)
         dy_NH, dw_GK = combine_rows_backward(
             dout_GH, y_NH, weights_GK, order_N, num_valid=num_valid, need_weights_grad=ctx.needs_input_grad[1],
             rows_grad_scale=1.0 / ctx.layer.world,
@@ -159,7 +177,7 @@ class _FinishCombine(torch.autograd.Function):
         ctx.save_for_backward(y_NH, weights_TK, order_N, num_valid)
         ctx.layer, ctx.link = layer, (link.dtype, link.device)
         own_TH = combine_rows(y_NH, weights_TK, order_N, num_valid=num_valid, out_dtype=_partial_dtype(y_NH))
-        return own_TH.add_(layer.comm.wait(layer.peer_sums)).to(out_dtype)
+        return own_TH.add_(layer.wait(layer.peer_sums)).to(out_dtype)
 
     @staticmethod
     def backward(ctx, dout_TH):
@@ -176,7 +194,13 @@ class _FinishCombine(torch.autograd.Function):
 
 class OverlappedAllGatherDispatcher(AllGatherExpertParallelDispatcher):
     """``AllGatherExpertParallelDispatcher`` with the own tokens' experts computed while the collectives
-    travel (module docstring)."""
+    travel (module docstring). ``transport``: 'nccl' (NCCL / gloo collectives, any ep) or 'copy_engine'
+    (ep = 2 on CUDA: copy-engine swaps through symmetric memory, no SMs; ``peer_exchange.py``)."""
+
+    def __init__(self, *, group: dist.ProcessGroup, ep_size: int, transport: str = "nccl") -> None:
+        super().__init__(group=group, ep_size=ep_size)
+        self.transport = transport
+        self._transports: dict[torch.device, NcclTransport | PeerExchange] = {}
 
     def run(self, x_TH: torch.Tensor, routing: Routing, experts, *, num_experts: int) -> torch.Tensor:
         ep, top_k = self.ep_size, routing.experts_TK.shape[1]
@@ -185,7 +209,7 @@ class OverlappedAllGatherDispatcher(AllGatherExpertParallelDispatcher):
         padded_tokens = self._padded_tokens(num_tokens)
         if padded_tokens > num_tokens:  # a shorter micro-batch than a peer's (eager only): pad it
             x_TH, routing = _pad_tokens(x_TH, routing, padded_tokens, num_experts=num_experts)
-        layer = _Layer(CommStream.on(x_TH.device), self.group, ep)
+        layer = _Layer(self._transport(x_TH.device), ep)
         # Expert weights' gradients: see dispatcher.rows_by_source (as in the all-gather dispatcher).
         x_TH = scale_grad(x_TH, float(ep))
         x_GH, weights_GK, experts_GK = _LaunchTokenGather.apply(x_TH, routing.weights_TK, routing.experts_TK, layer)
@@ -207,6 +231,12 @@ class OverlappedAllGatherDispatcher(AllGatherExpertParallelDispatcher):
         out_TH = _FinishCombine.apply(y_own_NH, routing.weights_TK, own_order_N, own_valid, link, layer, x_TH.dtype)
         return out_TH if padded_tokens == num_tokens else out_TH[:num_tokens]
 
+    def _transport(self, device: torch.device) -> NcclTransport | PeerExchange:
+        if device not in self._transports:
+            kind = PeerExchange if self.transport == "copy_engine" else NcclTransport
+            self._transports[device] = kind(group=self.group, device=device)
+        return self._transports[device]
+
     def _sort(self, experts_XK: torch.Tensor, num_local: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(order of the routed copies by local expert, copies per local expert, valid rows [1]): copies
         routed to another rank's experts sort last, as padding."""
@@ -217,4 +247,4 @@ class OverlappedAllGatherDispatcher(AllGatherExpertParallelDispatcher):
         return order_N, counts_L, counts_L.sum().reshape(1)
 
     def __repr__(self) -> str:
-        return f"OverlappedAllGatherDispatcher(ep_size={self.ep_size})"
+        return f"OverlappedAllGatherDispatcher(ep_size={self.ep_size}, transport={self.transport!r})"

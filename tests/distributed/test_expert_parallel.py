@@ -96,6 +96,8 @@ def test_ep_size_must_be_a_positive_int(ep_size):
         ({"ep_dispatch": "broadcast"}, "ep_dispatch must be one of"),
         ({"ep_dispatch": "allgather", "ep_capacity_factor": 2.0}, "takes neither ep_capacity_factor"),
         ({"dense_parallel": "ddp"}, "dense_parallel must be one of"),
+        ({"ep_transport": "nvlink"}, "ep_transport must be one of"),
+        ({"ep_dispatch": "allgather", "ep_transport": "copy_engine"}, "moves ep_dispatch='allgather_overlap''s collectives"),
         ({"dense_parallel": "replicate", "replicate_max_ctas": 0}, "replicate_max_ctas must be a positive int"),
     ],
 )

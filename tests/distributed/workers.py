@@ -556,6 +556,9 @@ def bad_inputs(rank: int, world_size: int, folder: str) -> None:
         "averages replicated gradients between two CUDA ranks": (
             {}, dict(ep_size=2, ep_dispatch="allgather", dense_parallel="replicate", replicate_transport="copy_engine")
         ),
+        "swaps the expert-parallel blocks between two CUDA ranks": (
+            {}, dict(ep_size=2, ep_dispatch="allgather_overlap", dense_parallel="replicate", ep_transport="copy_engine")
+        ),
     }
     allocated = []
     original_to_empty = torch.nn.Module.to_empty
