@@ -24,6 +24,9 @@ import torch.distributed as dist
 
 from moetune.distributed.comm_stream import CommStream, InFlight
 
+# The barriers' signal-pad channel: peer_copy.py (the replicated gradients, another stream) uses 0.
+_CHANNEL = 1
+
 
 class PeerExchange:
     """Block swaps between the two ranks of ``group`` (one CUDA device each), on ``comm``'s stream."""
@@ -62,9 +65,9 @@ class PeerExchange:
         stream = self.comm.stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._handle.barrier(channel=0)
+            self._handle.barrier(channel=_CHANNEL)
             self._peer_received[:nbytes].copy_(send.contiguous().view(-1).view(torch.uint8))
-            self._handle.barrier(channel=0)
+            self._handle.barrier(channel=_CHANNEL)
             receive_into.view(-1).view(torch.uint8).copy_(self._received[:nbytes])
         (own if own is not None else send).record_stream(stream)
         out.record_stream(stream)
