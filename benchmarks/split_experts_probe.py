@@ -59,14 +59,15 @@ def main() -> None:
     flag = torch.zeros(1024, device=device, dtype=torch.int32)
     side = torch.cuda.Stream()
 
-    def one_call():
+    def one_call(backward: bool = True):
         order, counts, valid = local_sort(experts_GK, num_local)
         y = experts(x_GH, counts, gather_order=order, gather_top_k=TOP_K)
         out = combine_rows(y, weights_GK.detach(), order, num_valid=valid, out_dtype=torch.float32)
-        y.backward(torch.randn_like(y))  # the combine's backward is a gather of the same size either way
+        if backward:  # the combine's backward is a gather of the same size either way
+            y.backward(grads[y.shape])
         return out
 
-    def split():
+    def split(backward: bool = True):
         own_x = x_GH[:TOKENS]
         order_o, counts_o, valid_o = local_sort(experts_GK[:TOKENS], num_local)
         a = experts(own_x, counts_o, gather_order=order_o, gather_top_k=TOP_K, part="in")
@@ -77,8 +78,14 @@ def main() -> None:
         out_p = combine_rows(y_p, weights_GK.detach(), order_p, num_valid=valid_p, out_dtype=torch.float32)
         y_o = experts(a, counts_o, part="out")
         out_o = combine_rows(y_o, weights_GK[:TOKENS].detach(), order_o, num_valid=valid_o, out_dtype=torch.float32)
-        torch.autograd.backward([y_o, y_p], [torch.randn_like(y_o), torch.randn_like(y_p)])
+        if backward:
+            torch.autograd.backward([y_o, y_p], [grads[y_o.shape], grads[y_p.shape]])
         return out_o, out_p
+
+    grads = {
+        shape: torch.randn(shape, device=device, dtype=torch.bfloat16)
+        for shape in (torch.Size([2 * TOKENS * TOP_K, HIDDEN]), torch.Size([TOKENS * TOP_K, HIDDEN]))
+    }
 
     def timed(fn, *, hold_programs: int = 0, hold_us: float = 0.0, every: int = 0):
         times = []
@@ -102,9 +109,11 @@ def main() -> None:
                 times.append(start.elapsed_time(end))
         return statistics.median(times)
 
-    cases = [("one_call", one_call, 0, 0.0, 0), ("split", split, 0, 0.0, 0)]
-    for programs in (8, 16, 32):
-        cases += [("one_call", one_call, programs, 150.0, 4), ("split", split, programs, 150.0, 4)]
+    cases = [("one_call", one_call, 0, 0.0, 0), ("split", split, 0, 0.0, 0),
+             ("one_call_forward", lambda: one_call(False), 0, 0.0, 0), ("split_forward", lambda: split(False), 0, 0.0, 0)]
+    for programs in (1, 16):
+        cases += [("one_call_forward", lambda: one_call(False), programs, 100.0, 2),
+                  ("split_forward", lambda: split(False), programs, 100.0, 2)]  # fmt: skip
     out = open(args.out, "a") if args.out else None
     for name, fn, programs, hold_us, every in cases:
         ms = timed(fn, hold_programs=programs, hold_us=hold_us, every=every)
