@@ -6,8 +6,8 @@ slows them.
     python benchmarks/split_experts_probe.py [--out FILE]
 
 Qwen3-30B-A3B layer at ep=2: 64 local experts of 128, hidden 2048, width 768, top-8, 4096 tokens per
-rank (8192 gathered), bf16, forward + backward of the experts and the combine, median of CUDA-event
-timings. One JSON line per case.
+rank (8192 gathered), bf16, forward + backward of the experts and the combine, median of CUDA-graph
+replay timings. One JSON line per case.
 """
 
 from __future__ import annotations
@@ -88,22 +88,36 @@ def main() -> None:
     }
 
     def timed(fn, *, hold_programs: int = 0, hold_us: float = 0.0, every: int = 0):
-        times = []
-        for i in range(args.iters + 3):
-            x_GH.grad = None
+        """Median replay time of ``fn`` (and the SM holders beside it) captured in a CUDA graph: the
+        real step is graphed, so launch costs must not count."""
+
+        def body():
+            x_GH.grad = weights_GK.grad = None
             for p in experts.parameters():
                 p.grad = None
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
             if hold_programs:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     for _ in range(every):  # holders queued back to back beside the experts
                         _hold_sms[(hold_programs,)](flag, cycles=int(hold_us * 1000))
             fn()
-            end.record()
             torch.cuda.current_stream().wait_stream(side)
+
+        warm = torch.cuda.Stream()
+        warm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(warm):
+            for _ in range(3):
+                body()
+        torch.cuda.current_stream().wait_stream(warm)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        times = []
+        for i in range(args.iters + 3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
             torch.cuda.synchronize()
             if i >= 3:
                 times.append(start.elapsed_time(end))
