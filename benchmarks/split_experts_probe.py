@@ -101,7 +101,8 @@ def main() -> None:
                     for _ in range(every):  # holders queued back to back beside the experts
                         _hold_sms[(hold_programs,)](flag, cycles=int(hold_us * 1000))
             fn()
-            torch.cuda.current_stream().wait_stream(side)
+            if hold_programs:
+                torch.cuda.current_stream().wait_stream(side)
 
         warm = torch.cuda.Stream()
         warm.wait_stream(torch.cuda.current_stream())
