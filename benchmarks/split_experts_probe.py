@@ -45,6 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="also print each case's kernels (ms per replay)")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -113,6 +114,19 @@ def main() -> None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             body()
+        if args.profile and not hold_programs:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    graph.replay()
+                torch.cuda.synchronize()
+            kernels: dict[str, float] = {}
+            for event in prof.events():
+                if event.device_type.name == "CUDA":
+                    kernels[event.name[:90]] = kernels.get(event.name[:90], 0.0) + event.device_time / 5 / 1e3
+            for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:14]:
+                print(f"    {ms:7.3f} ms  {name}", flush=True)
         times = []
         for i in range(args.iters + 3):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -131,6 +145,7 @@ def main() -> None:
                   ("split_forward", lambda: split(False), programs, 100.0, 2)]  # fmt: skip
     out = open(args.out, "a") if args.out else None
     for name, fn, programs, hold_us, every in cases:
+        print(f"== {name} holders={programs}", flush=True)
         ms = timed(fn, hold_programs=programs, hold_us=hold_us, every=every)
         record = {"case": name, "ms_fwd_bwd": round(ms, 3), "sm_holder_programs": programs, "holder_us": hold_us,
                   "holders": every, "gpu": torch.cuda.get_device_name()}  # fmt: skip
