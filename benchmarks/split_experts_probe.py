@@ -1,7 +1,7 @@
 """What splitting one expert-parallel MoE layer's experts into the own tokens' and the peers' calls
-costs on one GPU (``ep_dispatch="allgather_overlap"`` against ``"allgather"``), with no communication,
-and how much a kernel that holds some SMs beside the experts (an NCCL collective overlapping them)
-slows them.
+costs on one GPU (the reverted ``ep_dispatch="allgather_overlap"``, commit 741ab05, against
+``"allgather"``), with no communication, and how much a kernel that holds some SMs beside the experts
+(an NCCL collective overlapping them) slows them.
 
     python benchmarks/split_experts_probe.py [--out FILE]
 
@@ -69,15 +69,17 @@ def main() -> None:
         return out
 
     def split(backward: bool = True):
-        own_x = x_GH[:TOKENS]
+        # The two calls of the reverted ep_dispatch="allgather_overlap" (commit 741ab05, reverted):
+        # this rank's own tokens, then the peers' (the own block's copies marked as padding). That
+        # dispatcher interleaved the own call's two projections around the peers' call; the kernels
+        # are the same either way.
         order_o, counts_o, valid_o = local_sort(experts_GK[:TOKENS], num_local)
-        a = experts(own_x, counts_o, gather_order=order_o, gather_top_k=TOP_K, part="in")
+        y_o = experts(x_GH[:TOKENS], counts_o, gather_order=order_o, gather_top_k=TOP_K)
         peers_ids = experts_GK.clone()
         peers_ids[:TOKENS] = EXPERTS
         order_p, counts_p, valid_p = local_sort(peers_ids, num_local)
         y_p = experts(x_GH, counts_p, gather_order=order_p, gather_top_k=TOP_K)
         out_p = combine_rows(y_p, weights_GK.detach(), order_p, num_valid=valid_p, out_dtype=torch.float32)
-        y_o = experts(a, counts_o, part="out")
         out_o = combine_rows(y_o, weights_GK[:TOKENS].detach(), order_o, num_valid=valid_o, out_dtype=torch.float32)
         if backward:
             torch.autograd.backward([y_o, y_p], [grads[y_o.shape], grads[y_p.shape]])

@@ -45,9 +45,7 @@ class MoetuneOptions:
     (``ep_capacity_factor`` / ``ep_overlap_chunks`` refine it); 'allgather' gives every rank all the
     tokens of the ep group and reduce-scatters the experts' partial outputs: fewer bytes when
     ep <= top-k, and with equal token counts on the ranks fixed shapes and no host sync, so the step
-    can be captured in a CUDA graph (``moetune.distributed.AllGatherExpertParallelDispatcher``);
-    'allgather_overlap' is 'allgather' with its collectives travelling while the experts compute the
-    rank's own tokens (same results; ``moetune.distributed.OverlappedAllGatherDispatcher``)."""
+    can be captured in a CUDA graph (``moetune.distributed.AllGatherExpertParallelDispatcher``)."""
     dense_parallel: str = "fsdp"
     """Parameters other than the experts: 'fsdp' shards them with FSDP2 over all ranks; 'replicate'
     keeps full copies on every rank and averages their gradients (DDP-style), which with
@@ -67,11 +65,6 @@ class MoetuneOptions:
     symmetric-memory buffer by a copy engine and added there, with no NCCL kernel holding SMs
     (``moetune.distributed.peer_copy``; a receive buffer of the replicated gradients' size per rank).
     On 2 H200s ~1 ms of a ~115 ms 16-layer step."""
-    ep_transport: str = "nccl"
-    """``ep_dispatch='allgather_overlap'``: how its collectives travel. 'nccl': NCCL (gloo) collectives
-    on a communication stream, any ep; 'copy_engine' (ep = 2 on one node, CUDA): copy-engine pushes
-    into the peer's symmetric memory, so that nothing that overlaps the experts' GEMMs takes their SMs
-    (``moetune.distributed.peer_exchange``)."""
 
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
@@ -84,7 +77,6 @@ class MoetuneOptions:
             raise ValueError(f"replicate_max_ctas must be a positive int (or None), got {self.replicate_max_ctas!r}")
         if self.replicate_transport not in REPLICATE_TRANSPORTS:
             raise ValueError(f"replicate_transport must be one of {REPLICATE_TRANSPORTS}, got {self.replicate_transport!r}")
-        check_ep_transport(self.ep_transport, dispatch=self.ep_dispatch)
         if self.dense_parallel not in DENSE_PARALLEL:
             raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {self.dense_parallel!r}")
 
@@ -97,11 +89,9 @@ class MoetuneOptions:
         return self.device_mesh is not None or (self.ep_size is not None and self.ep_size > 1)
 
 
-EP_DISPATCH = ("alltoall", "allgather", "allgather_overlap")
-ALLGATHER_DISPATCH = ("allgather", "allgather_overlap")
+EP_DISPATCH = ("alltoall", "allgather")
 DENSE_PARALLEL = ("fsdp", "replicate")
 REPLICATE_TRANSPORTS = ("nccl", "copy_engine")
-EP_TRANSPORTS = ("nccl", "copy_engine")
 
 
 def is_positive_int(value: Any) -> bool:
@@ -121,21 +111,12 @@ def check_ep_overlap_chunks(num_chunks: Any, *, capacity_factor: float | None) -
         )
 
 
-def check_ep_transport(name: Any, *, dispatch: str) -> None:
-    """``ep_transport``: one of ``EP_TRANSPORTS``; 'copy_engine' only moves the overlapped dispatcher's
-    collectives."""
-    if name not in EP_TRANSPORTS:
-        raise ValueError(f"ep_transport must be one of {EP_TRANSPORTS}, got {name!r}")
-    if name == "copy_engine" and dispatch != "allgather_overlap":
-        raise ValueError(f"ep_transport='copy_engine' moves ep_dispatch='allgather_overlap''s collectives; got ep_dispatch={dispatch!r}")
-
-
 def check_ep_dispatch(name: Any, *, capacity_factor: float | None, overlap_chunks: int) -> None:
     """``ep_dispatch``: one of ``EP_DISPATCH``; the capacity and chunking options refine 'alltoall' only."""
     if name not in EP_DISPATCH:
         raise ValueError(f"ep_dispatch must be one of {EP_DISPATCH}, got {name!r}")
-    if name in ALLGATHER_DISPATCH and (capacity_factor is not None or overlap_chunks != 1):
+    if name == "allgather" and (capacity_factor is not None or overlap_chunks != 1):
         raise ValueError(
-            f"ep_dispatch={name!r} takes neither ep_capacity_factor nor ep_overlap_chunks > 1 "
+            "ep_dispatch='allgather' takes neither ep_capacity_factor nor ep_overlap_chunks > 1 "
             f"(got {capacity_factor!r}, {overlap_chunks!r}): those refine the all-to-all dispatcher"
         )

@@ -24,7 +24,6 @@ import torch
 
 from moetune.bench.env import RunEnv, commit, gpu_name, hardware_slug, setup, teardown, utc_now, versions
 from moetune.bench.measure import OPTIMIZERS, matmul_peak_tflops
-from moetune.options import ALLGATHER_DISPATCH
 from moetune.bench.models import SIDES, SideUnavailable, build_side, load_config
 from moetune.bench.probe import EXIT_OOM, RESULT_PREFIX, probe_side
 from moetune.bench.report import (
@@ -153,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _graph_capturable_ep(options: dict[str, Any]) -> bool:
-    return options.get("ep_dispatch") in ALLGATHER_DISPATCH and options.get("dense_parallel") == "replicate"
+    return options.get("ep_dispatch") == "allgather" and options.get("dense_parallel") == "replicate"
 
 
 def _moetune_options(args: argparse.Namespace) -> dict[str, Any]:

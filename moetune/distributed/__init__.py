@@ -6,7 +6,6 @@ from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, Exp
 from moetune.distributed.grad_norm import clip_grad_norm_, total_grad_norm
 from moetune.distributed.mesh import FLAT_DIM_NAME, MESH_DIM_NAMES, ParallelMesh, build_mesh
 from moetune.distributed.parallelize import ParallelConfig, parallelize, parallelize_for_options
-from moetune.distributed.overlapped_allgather import OverlappedAllGatherDispatcher
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
 from moetune.distributed.replicate import ReplicatedGradientSync
 
@@ -16,7 +15,6 @@ __all__ = [
     "FLAT_DIM_NAME",
     "MESH_DIM_NAMES",
     "ExpertParallelDispatcher",
-    "OverlappedAllGatherDispatcher",
     "ParallelConfig",
     "ParallelMesh",
     "PipelinedExpertParallelDispatcher",

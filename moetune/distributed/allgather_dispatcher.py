@@ -98,7 +98,11 @@ class _AllGatherTokens(torch.autograd.Function):
     def forward(ctx, x_TH, weights_TK, experts_TK, group, world: int):
         ctx.group, ctx.world = group, world
         parts = [x_TH, weights_TK, experts_TK]
-        packed_GB = _gather(_pack_rows(parts), group, world)
+        rows = [_as_bytes(part) for part in parts]
+        pad = -sum(row.shape[1] for row in rows) % _ROW_ALIGN  # every gathered token row starts on a line
+        if pad:
+            rows.append(rows[0].new_empty(rows[0].shape[0], pad))  # never read: no fill kernel
+        packed_GB = _gather(torch.cat(rows, 1), group, world)
         x_GH, weights_GK, experts_GK = _unpack(packed_GB, parts)
         ctx.mark_non_differentiable(experts_GK)
         return x_GH, weights_GK, experts_GK
@@ -114,15 +118,6 @@ _ALIGN = 8  # bytes: every packed part starts where any dtype's view of it is al
 # Bytes: packed rows are padded to whole 128-byte lines, so that the experts' gather reads each
 # token's hidden row from aligned lines (a Qwen3-30B-A3B token's 4096-byte row + its weights and ids -> 4224).
 _ROW_ALIGN = 128
-
-
-def _pack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The parts' rows side by side as bytes [T, B], each part aligned, rows padded to whole lines."""
-    rows = [_as_bytes(part) for part in parts]
-    pad = -sum(row.shape[1] for row in rows) % _ROW_ALIGN  # every gathered token row starts on a line
-    if pad:
-        rows.append(rows[0].new_empty(rows[0].shape[0], pad))  # never read: no fill kernel
-    return torch.cat(rows, 1)
 
 
 def _as_bytes(x_TX: torch.Tensor) -> torch.Tensor:

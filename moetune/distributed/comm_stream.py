@@ -45,14 +45,6 @@ class CommStream:
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    @classmethod
-    def on(cls, device: torch.device) -> "CommStream":
-        """The process's communication stream of ``device`` (one per device: the dispatchers' layers
-        run one after another, so they share it)."""
-        if device not in _STREAMS:
-            _STREAMS[device] = cls(device)
-        return _STREAMS[device]
-
     def launch(self, collective: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> InFlight:
         """``collective(x)`` on the communication stream. Call it right after ``x`` is produced: the
         communication stream waits for the compute stream's work queued so far (which ends with x's
@@ -72,6 +64,3 @@ class CommStream:
             compute.wait_event(pending.done)
             pending.tensor.record_stream(compute)
         return pending.tensor
-
-
-_STREAMS: dict[torch.device, CommStream] = {}

@@ -30,7 +30,6 @@ from torch.distributed.tensor import DTensor, Shard
 from moetune.distributed.allgather_dispatcher import AllGatherExpertParallelDispatcher
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
 from moetune.distributed.mesh import ParallelMesh, build_mesh, rank_device, require_process_group
-from moetune.distributed.overlapped_allgather import OverlappedAllGatherDispatcher
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
 from moetune.distributed.replicate import (
     ReplicatedGradientSync,
@@ -39,7 +38,7 @@ from moetune.distributed.replicate import (
     no_gradient_sync,
 )
 from moetune.moe import GroupedExperts, MoEBlock, TokenDispatcher
-from moetune.options import DENSE_PARALLEL, check_ep_dispatch, check_ep_overlap_chunks, check_ep_transport
+from moetune.options import DENSE_PARALLEL, check_ep_dispatch, check_ep_overlap_chunks
 
 
 @dataclass
@@ -74,8 +73,6 @@ class ParallelConfig:
     """'replicate' on NCCL: the most CTAs of the gradient all-reduces' communicator (None: NCCL's choice)."""
     replicate_transport: str = "nccl"
     """'replicate': 'nccl' all-reduces, or 'copy_engine' (two ranks: symmetric memory, peer_copy.py)."""
-    ep_transport: str = "nccl"
-    """'allgather_overlap': 'nccl' collectives, or 'copy_engine' (ep = 2: symmetric memory, peer_exchange.py)."""
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
@@ -117,7 +114,6 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) ->
             capacity_factor=config.ep_capacity_factor,
             overlap_chunks=config.ep_overlap_chunks,
             dispatch=config.ep_dispatch,
-            transport=config.ep_transport,
         )
     if config.lora is not None:
         from moetune.lora import apply_lora
@@ -233,7 +229,6 @@ def apply_expert_parallel(
     capacity_factor: float | None = None,
     overlap_chunks: int = 1,
     dispatch: str = "alltoall",
-    transport: str = "nccl",
 ) -> None:
     """Experts' 3-D weights become DTensors ``Shard(0)`` over ``ep``; each MoE block gets the expert-parallel dispatcher."""
     ep_mesh, ep_size = mesh.ep, mesh.ep_size
@@ -243,7 +238,6 @@ def apply_expert_parallel(
         capacity_factor=capacity_factor,
         overlap_chunks=overlap_chunks,
         dispatch=dispatch,
-        transport=transport,
     )
     for block in moe_blocks(model):
         experts = block.experts
@@ -262,16 +256,12 @@ def apply_expert_parallel(
 
 
 def expert_parallel_dispatcher(
-    group, *, ep_size: int, capacity_factor: float | None, overlap_chunks: int, dispatch: str = "alltoall",
-    transport: str = "nccl",
-) -> TokenDispatcher:  # fmt: skip
+    group, *, ep_size: int, capacity_factor: float | None, overlap_chunks: int, dispatch: str = "alltoall"
+) -> TokenDispatcher:
     check_ep_overlap_chunks(overlap_chunks, capacity_factor=capacity_factor)
     check_ep_dispatch(dispatch, capacity_factor=capacity_factor, overlap_chunks=overlap_chunks)
-    check_ep_transport(transport, dispatch=dispatch)
     if dispatch == "allgather":
         return AllGatherExpertParallelDispatcher(group=group, ep_size=ep_size)
-    if dispatch == "allgather_overlap":
-        return OverlappedAllGatherDispatcher(group=group, ep_size=ep_size, transport=transport)
     if capacity_factor is not None:
         return CapacityExpertParallelDispatcher(group=group, ep_size=ep_size, capacity_factor=capacity_factor)
     if overlap_chunks > 1:
@@ -362,7 +352,6 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         dense_parallel=getattr(options, "dense_parallel", "fsdp"),
         replicate_max_ctas=getattr(options, "replicate_max_ctas", 16),
         replicate_transport=getattr(options, "replicate_transport", "nccl"),
-        ep_transport=getattr(options, "ep_transport", "nccl"),
         lora=getattr(options, "lora", None),
     )
     if config.replicate_transport == "copy_engine" and (
@@ -372,11 +361,6 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
             "replicate_transport='copy_engine' averages replicated gradients between two CUDA ranks: it needs "
             f"dense_parallel='replicate', CUDA and 2 processes (got dense_parallel={config.dense_parallel!r}, "
             f"device {device.type}, {dist.get_world_size()} processes)"
-        )
-    if config.ep_transport == "copy_engine" and (device.type != "cuda" or options.ep_size != 2):
-        raise ValueError(
-            "ep_transport='copy_engine' swaps the expert-parallel blocks between two CUDA ranks: it needs CUDA "
-            f"and ep_size=2 (got device {device.type}, ep_size={options.ep_size})"
         )
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the mesh: NCCL communicators bind to the current device

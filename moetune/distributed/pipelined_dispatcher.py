@@ -85,9 +85,10 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         check_ep_overlap_chunks(num_chunks, capacity_factor=None)
         super().__init__(group=group, ep_size=ep_size)
         self.num_chunks = num_chunks
+        self._comm_streams: dict[torch.device, CommStream] = {}
 
     def run(self, x_TH: torch.Tensor, routing: Routing, experts: Experts, *, num_experts: int) -> torch.Tensor:
-        comm, ep, num_chunks = CommStream.on(x_TH.device), self.ep_size, self.num_chunks
+        comm, ep, num_chunks = self._comm_stream(x_TH.device), self.ep_size, self.num_chunks
         # One permutation for all chunks: the key (chunk, expert) puts each chunk's rows together, sorted
         # by expert as permute() sorts one chunk's; one unpermute at the end undoes it.
         chunk_T = chunk_of_tokens(x_TH.shape[0], num_chunks, device=x_TH.device)
@@ -115,6 +116,11 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
             returning.append(comm.launch(combine(c), y_MH))
         # Unpermute once every combine is queued (see the module docstring).
         return unpermute(torch.cat([comm.wait(y) for y in returning]), local)
+
+    def _comm_stream(self, device: torch.device) -> CommStream:
+        if device not in self._comm_streams:
+            self._comm_streams[device] = CommStream(device)
+        return self._comm_streams[device]
 
     def __repr__(self) -> str:
         return f"PipelinedExpertParallelDispatcher(ep_size={self.ep_size}, num_chunks={self.num_chunks})"

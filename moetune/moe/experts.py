@@ -22,7 +22,6 @@ from moetune.kernels.permute import permute_rows, permute_rows_backward
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 EXPERTS_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
-EXPERTS_PARTS = ("all", "in", "out")
 """``auto``: torch's grouped GEMM on CUDA bf16, the per-expert loop elsewhere; ``triton``: moetune's
 Triton row GEMMs (the dispatch gather fused into the first one) with torch's weight-gradient GEMM."""
 
@@ -105,30 +104,19 @@ class GroupedExperts(nn.Module):
         *,
         gather_order: torch.Tensor | None = None,
         gather_top_k: int = 1,
-        part: str = "all",
     ) -> torch.Tensor:
         """Output rows [N, H] for input rows sorted by expert (``x`` is [N, H]), or, with
         ``gather_order``, for the rows ``x[gather_order // gather_top_k]`` (``x`` is [T, H], N = T * K):
-        see ``run_experts``. ``part="in"`` stops after the activation (rows [N, I]), ``part="out"``
-        takes those rows as ``x`` and applies the second projection: a dispatcher that overlaps
-        communication with the experts interleaves the two parts of different token sets."""
-        if part not in EXPERTS_PARTS:
-            raise ValueError(f"part must be one of {EXPERTS_PARTS}, got {part!r}")
-        # Each part reads only its own weight: a LoRA-adapted weight is materialised once per part.
-        in_proj = None if part == "out" else _local(self.in_proj)
-        down_proj = None if part == "in" else _local(self.down_proj)
+        see ``run_experts``."""
+        in_proj, down_proj = _local(self.in_proj), _local(self.down_proj)
         if self.is_transposed:  # views in the [E, out, in] layout run_experts takes
-            in_proj = None if in_proj is None else in_proj.transpose(-2, -1)
-            down_proj = None if down_proj is None else down_proj.transpose(-2, -1)
+            in_proj, down_proj = in_proj.transpose(-2, -1), down_proj.transpose(-2, -1)
         biases = {}
         if self.has_bias:
-            if part != "out":
-                biases["in_bias"] = _local(getattr(self, f"{self._in_name}_bias"))
-            if part != "in":
-                biases["down_bias"] = _local(self.down_proj_bias)
+            biases = {"in_bias": _local(getattr(self, f"{self._in_name}_bias")), "down_bias": _local(self.down_proj_bias)}
         return run_experts(
             x, tokens_per_expert_E, in_proj, down_proj, activate=self._activate, backend=self.backend,
-            gather_order=gather_order, gather_top_k=gather_top_k, part=part, **biases,
+            gather_order=gather_order, gather_top_k=gather_top_k, **biases,
         )  # fmt: skip
 
     def _activate(self, h_NX: torch.Tensor, num_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,8 +157,8 @@ def gated_activation(
 def run_experts(
     x: torch.Tensor,
     tokens_per_expert_E: torch.Tensor,
-    in_proj: torch.Tensor | None,
-    down_proj: torch.Tensor | None,
+    in_proj: torch.Tensor,
+    down_proj: torch.Tensor,
     *,
     activate,
     backend: str = "auto",
@@ -178,7 +166,6 @@ def run_experts(
     down_bias: torch.Tensor | None = None,
     gather_order: torch.Tensor | None = None,
     gather_top_k: int = 1,
-    part: str = "all",
 ) -> torch.Tensor:
     """down_e(activate(in_e(rows))) for rows sorted by expert e; weights [E, out, in] (nn.Linear layout),
     optional biases [E, out].
@@ -187,9 +174,6 @@ def run_experts(
     routed slots) ``x[gather_order // gather_top_k]`` for ``x`` [T, H]: the experts gather their input
     themselves and keep only ``x`` for the backward (see ``GatheredGroupedMM``).
 
-    ``part="in"`` returns ``activate(in_e(rows))`` [N, I] (``down_proj`` unused), ``part="out"`` takes
-    those rows as ``x`` and returns ``down_e(x)`` (``in_proj`` unused): "in" then "out" equals "all".
-
     Rows past ``tokens_per_expert_E.sum()`` are padding (capacity-padded or all-gathered expert
     parallelism): the grouped GEMM skips them (their output rows are undefined), the loop gives them
     zeros, and neither lets them reach the gradients of ``x`` or of the biases. The grouped path calls
@@ -197,67 +181,49 @@ def run_experts(
     there on, as the SwiGLU kernel does), the loop ``activate(h_NX)``.
     """
     if gather_order is not None:
-        if part == "out":
-            raise ValueError("gather_order gathers the first projection's rows: pass it with part='in' or 'all'")
         _check_gather(x, gather_order, gather_top_k)
-    grouped = backend in ("grouped_mm", "triton") or (backend == "auto" and grouped_mm_supported(x))
-    if grouped:  # no host sync: the group boundaries stay on the device
+    if backend in ("grouped_mm", "triton") or (backend == "auto" and grouped_mm_supported(x)):
+        # No host sync: the group boundaries stay on the device.
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
-        if part != "out":
-            x = _grouped_in(x, offsets_E, in_proj, in_bias, activate, backend, gather_order, gather_top_k)
-        return x if part == "in" else _grouped_out(x, offsets_E, down_proj, down_bias, backend)
+        x, w_EHX = x.to(in_proj.dtype), in_proj.transpose(-2, -1)
+        if backend == "triton" or gather_order is not None:
+            rows_backend = "triton" if backend == "triton" else "grouped_mm"
+            h_NX = GatheredGroupedMM.apply(x, w_EHX, gather_order, offsets_E, gather_top_k, "auto", rows_backend)
+        else:
+            h_NX = _grouped_mm(x, w_EHX, offs=offsets_E)
+        expert_N = None
+        if in_bias is not None or down_bias is not None:
+            rows = torch.arange(h_NX.shape[0], device=x.device, dtype=torch.int32)
+            expert_N = torch.searchsorted(offsets_E, rows, right=True)  # E for padding rows
+        h_NX = h_NX if in_bias is None else h_NX + _bias_rows(in_bias, expert_N)
+        a_NI = activate(h_NX, offsets_E[-1:])
+        if backend == "triton":
+            y_NH = GatheredGroupedMM.apply(a_NI, down_proj.transpose(-2, -1), None, offsets_E, 1, "auto", "triton")
+        else:
+            y_NH = _grouped_mm(a_NI, down_proj.transpose(-2, -1), offs=offsets_E)
+        return y_NH if down_bias is None else y_NH + _bias_rows(down_bias, expert_N)
     if gather_order is not None:
         num_valid = tokens_per_expert_E.sum().reshape(1)
         x = moe_permute(x, gather_order, gather_top_k, num_valid=num_valid)
     # One host sync for the split sizes; used on CPU and as the reference path.
     counts = tokens_per_expert_E.tolist()
-    if part != "out":
-        x = _loop_linear(x, counts, in_proj, in_bias, activate)
-    return x if part == "in" else _loop_linear(x, counts, down_proj, down_bias, None)
-
-
-def _grouped_in(x, offsets_E, in_proj, in_bias, activate, backend, gather_order, gather_top_k) -> torch.Tensor:
-    x, w_EHX = x.to(in_proj.dtype), in_proj.transpose(-2, -1)
-    if backend == "triton" or gather_order is not None:
-        rows_backend = "triton" if backend == "triton" else "grouped_mm"
-        h_NX = GatheredGroupedMM.apply(x, w_EHX, gather_order, offsets_E, gather_top_k, "auto", rows_backend)
-    else:
-        h_NX = _grouped_mm(x, w_EHX, offs=offsets_E)
-    h_NX = h_NX if in_bias is None else h_NX + _bias_rows(in_bias, _expert_of_rows(offsets_E, h_NX.shape[0]))
-    return activate(h_NX, offsets_E[-1:])
-
-
-def _grouped_out(a_NI, offsets_E, down_proj, down_bias, backend) -> torch.Tensor:
-    if backend == "triton":
-        y_NH = GatheredGroupedMM.apply(a_NI, down_proj.transpose(-2, -1), None, offsets_E, 1, "auto", "triton")
-    else:
-        y_NH = _grouped_mm(a_NI, down_proj.transpose(-2, -1), offs=offsets_E)
-    return y_NH if down_bias is None else y_NH + _bias_rows(down_bias, _expert_of_rows(offsets_E, y_NH.shape[0]))
-
-
-def _expert_of_rows(offsets_E: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Each sorted row's expert; E for padding rows."""
-    rows = torch.arange(num_rows, device=offsets_E.device, dtype=torch.int32)
-    return torch.searchsorted(offsets_E, rows, right=True)
-
-
-def _loop_linear(x_NC, counts: list[int], weight_EOC, bias_EO, activate) -> torch.Tensor:
-    """``[activate](x_e @ weight_e.T + bias_e)`` per expert's rows; padding rows (past ``sum(counts)``)
-    give zeros. With no real rows the weights and the (empty) input still join the graph, so every
-    rank's backward has the same shape: FSDP2's post-backward hook on the input fires and the
-    all-to-all that delivered the rows runs its backward, as on the other ranks."""
-    outputs = []
-    for expert, rows in enumerate(torch.split(x_NC[: sum(counts)], counts)):
-        if rows.shape[0] > 0:
-            out = F.linear(rows, weight_EOC[expert], None if bias_EO is None else bias_EO[expert])
-            outputs.append(out if activate is None else activate(out))
-    padding = x_NC[sum(counts) :]
-    if padding.shape[0] or not outputs:
-        zeros = padding.new_zeros(padding.shape[0], weight_EOC.shape[1])
-        if activate is not None:  # every supported activation maps 0 to 0; this gives its output width
-            zeros = activate(zeros)
-        joined = weight_EOC.sum() + (0 if bias_EO is None else bias_EO.sum()) + padding.sum()
-        outputs.append(zeros + 0 * joined)
+    outputs = [
+        F.linear(
+            activate(F.linear(rows_NH, in_proj[expert], None if in_bias is None else in_bias[expert])),
+            down_proj[expert],
+            None if down_bias is None else down_bias[expert],
+        )
+        for expert, rows_NH in enumerate(torch.split(x[: sum(counts)], counts))
+        if rows_NH.shape[0] > 0
+    ]
+    padding_NH = x[sum(counts) :]
+    if padding_NH.shape[0] or not outputs:
+        # Padding rows give zeros. With no real rows the weights and the (empty) input still join the
+        # graph, so every rank's backward has the same shape: FSDP2's post-backward hook on the input
+        # fires and the all-to-all that delivered the rows runs its backward, as on the other ranks.
+        zeros = padding_NH.new_zeros(padding_NH.shape[0], down_proj.shape[1])
+        weights = [t for t in (in_proj, down_proj, in_bias, down_bias) if t is not None]
+        outputs.append(zeros + 0 * (sum(t.sum() for t in weights) + padding_NH.sum()))
     return torch.cat(outputs)
 
 

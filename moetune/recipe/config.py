@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moetune.lora import LoraSettings
-from moetune.options import DENSE_PARALLEL, EP_DISPATCH, EP_TRANSPORTS, REPLICATE_TRANSPORTS
+from moetune.options import DENSE_PARALLEL, EP_DISPATCH, REPLICATE_TRANSPORTS
 
 DEFAULT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "default"
 """The shipped default job's files: tiny Qwen3-MoE config, tokenizer, arithmetic dataset."""
@@ -172,9 +172,8 @@ class DistributedConfig:
     moetune/distributed/README.md); 1 = no overlap."""
     ep_dispatch: str = "alltoall"
     """With ep_size > 1: "alltoall" (each routed copy of a token goes to its expert's rank) or
-    "allgather" (every rank gets the group's tokens; fewer bytes when ep_size <= top-k) or
-    "allgather_overlap" (the same, its collectives travelling while the experts compute the rank's own
-    tokens); see moetune/distributed/README.md."""
+    "allgather" (every rank gets the group's tokens; fewer bytes when ep_size <= top-k); see
+    moetune/distributed/README.md."""
     dense_parallel: str = "fsdp"
     """With ep_size > 1, the non-expert parameters: "fsdp" (sharded) or "replicate" (whole on every
     rank, gradients all-reduced; with ep_size < processes the experts are replicated over the
@@ -182,9 +181,6 @@ class DistributedConfig:
     replicate_transport: str = "nccl"
     """With dense_parallel "replicate": "nccl" all-reduces, or "copy_engine" (2 GPU processes: a
     copy-engine push through symmetric memory per gradient; moetune/distributed/README.md)."""
-    ep_transport: str = "nccl"
-    """With ep_dispatch "allgather_overlap": "nccl" collectives, or "copy_engine" (ep_size 2, GPUs: copy-engine
-    pushes through symmetric memory; moetune/distributed/README.md)."""
     replicate_max_ctas: int = 16
     """With dense_parallel "replicate" on NCCL: the most CTAs of the gradient all-reduces'
     communicator (few, so they leave bandwidth to the experts' collectives); 0: NCCL's own choice."""
@@ -245,12 +241,7 @@ def validate(config: JobConfig) -> JobConfig:
           f"{config.distributed.replicate_transport!r} is not one of {REPLICATE_TRANSPORTS}")
     check(config.distributed.ep_dispatch == "alltoall" or config.distributed.ep_overlap_chunks == 1,
           "distributed.ep_overlap_chunks", "chunked overlap refines the all-to-all dispatcher; with "
-          f"distributed.ep_dispatch {config.distributed.ep_dispatch!r} leave it at 1")
-    check(config.distributed.ep_transport in EP_TRANSPORTS, "distributed.ep_transport",
-          f"{config.distributed.ep_transport!r} is not one of {EP_TRANSPORTS}")
-    check(config.distributed.ep_transport == "nccl" or config.distributed.ep_dispatch == "allgather_overlap",
-          "distributed.ep_transport", "'copy_engine' moves the collectives of distributed.ep_dispatch "
-          "'allgather_overlap' only")
+          "distributed.ep_dispatch 'allgather' leave it at 1")
     check(config.distributed.reduce_dtype in ("float32", "bfloat16"), "distributed.reduce_dtype",
           f"{config.distributed.reduce_dtype!r} is not one of ('float32', 'bfloat16')")
     check(config.data.on_bad_row in ON_BAD_ROW, "data.on_bad_row",

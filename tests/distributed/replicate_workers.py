@@ -98,7 +98,7 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
             assert all(torch.equal(c, copies[0]) for c in copies), f"{name} differs between ranks after from_config"
 
 
-def overlapped_optimizer_replicated(rank: int, world_size: int, folder: str, *, ep: int | None = None, **options) -> None:
+def overlapped_optimizer_replicated(rank: int, world_size: int, folder: str, *, ep: int | None = None) -> None:
     """``CUDAGraphTrainStep(overlap_optimizer=True)`` (off CUDA: the updates run from the gradient
     hooks) on a replicated expert-parallel model: each replicated parameter is updated from its
     averaged gradient (the hook waits for its all-reduce), the experts from theirs; the parameters
@@ -109,7 +109,7 @@ def overlapped_optimizer_replicated(rank: int, world_size: int, folder: str, *, 
     from moetune.optim import AdamW
     from moetune.training import CUDAGraphTrainStep
 
-    model, plain = (_load(folder, ep_size=ep or world_size, **(options or ALLGATHER_REPLICATE)) for _ in range(2))
+    model, plain = (_load(folder, ep_size=ep or world_size, **ALLGATHER_REPLICATE) for _ in range(2))
     step = CUDAGraphTrainStep(
         model, AdamW(model.parameters(), lr=ADAM_LR, eps=ADAM_EPS), overlap_optimizer=True,
         loss_fn=lambda m, batch: distributed_loss(m, int(batch["step"]), rank, world_size, 64),
@@ -217,15 +217,13 @@ def uneven_sequences_replicated(rank: int, world_size: int, folder: str) -> None
         token_counts_module._capturing = capturing
 
 
-def allgather_dispatcher(rank: int, world_size: int, dispatcher_cls=None) -> None:
-    """``AllGatherExpertParallelDispatcher.run`` (or ``dispatcher_cls``'s) with experts that scale each
-    row by a weight of its expert (and write NaN into the padding rows, which must not leak): output
-    and the gradients of the tokens, routing weights and expert weights equal the local dispatcher's;
-    ranks with different token counts (padded) too."""
+def allgather_dispatcher(rank: int, world_size: int) -> None:
+    """``AllGatherExpertParallelDispatcher.run`` with experts that scale each row by a weight of its
+    expert (and write NaN into the padding rows, which must not leak): output and the gradients of
+    the tokens, routing weights and expert weights equal the local dispatcher's; ranks with different
+    token counts (padded) too."""
     from moetune.distributed import AllGatherExpertParallelDispatcher
     from moetune.moe import LocalTokenDispatcher, Routing
-
-    AllGatherExpertParallelDispatcher = dispatcher_cls or AllGatherExpertParallelDispatcher  # noqa: N806
 
     num_experts, hidden, top_k, num_tokens = 8, 4, 2, 9
     num_local = num_experts // world_size
@@ -292,63 +290,3 @@ def allgather_dispatcher(rank: int, world_size: int, dispatcher_cls=None) -> Non
             dispatcher.run(x_uneven, uneven_routing, scaled_rows(rank * num_local), num_experts=num_experts)
     finally:
         token_counts_module._capturing = capturing
-
-
-def overlapped_allgather_suite(rank: int, world_size: int, folder: str, out: str) -> None:
-    """``ep_dispatch='allgather_overlap'`` (own tokens' experts computed while the collectives travel):
-    the dispatcher alone equals the local one with any experts callable and with ``GroupedExperts``
-    (split into its two parts, gated and GPT-OSS's biased layout); a model step with
-    ``dense_parallel='replicate'`` (and activation checkpointing, which re-runs the collectives), under
-    FSDP2 and training equal one process."""
-    from moetune.distributed import OverlappedAllGatherDispatcher
-
-    allgather_dispatcher(rank, world_size, OverlappedAllGatherDispatcher)
-    grouped_experts_dispatch(rank, world_size)
-    options = {"ep_dispatch": "allgather_overlap", "dense_parallel": "replicate"}
-    train_parity(rank, world_size, folder, world_size, out, **options)
-    one_step_parity(rank, world_size, folder, what="allgather_overlap + replicate + AC", ep_size=world_size,
-                    enable_ac=True, **options)  # fmt: skip
-    one_step_parity(rank, world_size, folder, what="allgather_overlap + FSDP2", ep_size=world_size,
-                    ep_dispatch="allgather_overlap")  # fmt: skip
-    overlapped_optimizer_replicated(rank, world_size, folder, **options)
-
-
-def grouped_experts_dispatch(rank: int, world_size: int) -> None:
-    """``OverlappedAllGatherDispatcher`` with ``GroupedExperts`` (run as two parts, interleaved with
-    the peers' call): output and the gradients of tokens, routing weights and every expert weight
-    equal the local dispatcher's (the expert weights' as the world average)."""
-    from moetune.distributed import OverlappedAllGatherDispatcher
-    from moetune.moe import GroupedExperts, LocalTokenDispatcher, Routing
-
-    num_experts, hidden, width, top_k, num_tokens = 8, 6, 4, 2, 11
-    num_local = num_experts // world_size
-    for layout in ({}, {"activation": "clamped_swiglu", "transposed": True, "bias": True}):
-        torch.manual_seed(0)  # the same experts on every rank
-        full = GroupedExperts(num_experts=num_experts, hidden_size=hidden, intermediate_size=width, backend="loop", **layout)
-        for param in full.parameters():
-            torch.nn.init.normal_(param, std=0.5)
-        local = GroupedExperts(num_experts=num_local, hidden_size=hidden, intermediate_size=width, backend="loop", **layout)
-        mine = slice(rank * num_local, (rank + 1) * num_local)
-        with torch.no_grad():
-            for (name, param), full_param in zip(local.named_parameters(), full.parameters()):
-                param.copy_(full_param[mine])
-        gen = torch.Generator().manual_seed(30 + rank)
-        x = torch.randn(num_tokens, hidden, generator=gen, requires_grad=True)
-        weights = torch.rand(num_tokens, top_k, generator=gen, requires_grad=True)
-        experts = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
-        routing = Routing(torch.zeros(num_tokens, num_experts), weights, experts)
-        probe = torch.randn(num_tokens, hidden, generator=gen)
-
-        def run(dispatcher, module):
-            out = dispatcher.run(x, routing, module, num_experts=num_experts)
-            return out, torch.autograd.grad((out * probe).sum(), [x, weights, *module.parameters()])
-
-        expected, expected_grads = run(LocalTokenDispatcher(), full)
-        got, grads = run(OverlappedAllGatherDispatcher(group=dist.group.WORLD, ep_size=world_size), local)
-        torch.testing.assert_close(got, expected, msg=lambda m: f"{layout}: output: {m}")
-        torch.testing.assert_close(grads[0], expected_grads[0])
-        torch.testing.assert_close(grads[1], expected_grads[1])
-        for name, grad, full_grad in zip([n for n, _ in local.named_parameters()], grads[2:], expected_grads[2:]):
-            full_grad = full_grad.clone()
-            dist.all_reduce(full_grad)
-            torch.testing.assert_close(grad, full_grad[mine] / world_size, msg=lambda m: f"{layout} {name}: {m}")

@@ -157,9 +157,7 @@ def train_parity(
 
 
 def _expected_layout(options: dict) -> dict:
-    dispatcher = {
-        "allgather": "AllGatherExpertParallelDispatcher", "allgather_overlap": "OverlappedAllGatherDispatcher"
-    }.get(options.get("ep_dispatch"), "ExpertParallelDispatcher")  # fmt: skip
+    dispatcher = "AllGatherExpertParallelDispatcher" if options.get("ep_dispatch") == "allgather" else "ExpertParallelDispatcher"
     return {"dispatcher": dispatcher, "replicated": options.get("dense_parallel") == "replicate"}
 
 
@@ -555,9 +553,6 @@ def bad_inputs(rank: int, world_size: int, folder: str) -> None:
         "must be a torch.distributed.device_mesh.DeviceMesh": ({}, dict(device_mesh="2x1")),
         "averages replicated gradients between two CUDA ranks": (
             {}, dict(ep_size=2, ep_dispatch="allgather", dense_parallel="replicate", replicate_transport="copy_engine")
-        ),
-        "swaps the expert-parallel blocks between two CUDA ranks": (
-            {}, dict(ep_size=2, ep_dispatch="allgather_overlap", dense_parallel="replicate", ep_transport="copy_engine")
         ),
     }
     allocated = []
