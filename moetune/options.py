@@ -64,7 +64,8 @@ class MoetuneOptions:
     per gradient; 'copy_engine' (two ranks on one node, CUDA): each gradient is copied into the peer's
     symmetric-memory buffer by a copy engine and added there, with no NCCL kernel holding SMs
     (``moetune.distributed.peer_copy``; a receive buffer of the replicated gradients' size per rank).
-    On 2 H200s ~1 ms of a ~115 ms 16-layer step."""
+    On 2 H200s within the spread between runs: ~1 ms faster than NCCL in one session, ~1 ms slower in the
+    next (benchmarks/README.md, ninth and tenth sessions)."""
 
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
