@@ -52,11 +52,7 @@ def main() -> None:
                 # ... and transposed (the same numbers, [E, in, out] instead of [E, out, in])
                 "dw_gate_up (x^T @ dh)": (2 * rows * 2 * width * hidden, lambda: _grouped_mm(x.t(), h, offs=ends)),
                 "dw_down (a^T @ dy)": (2 * rows * hidden * width, lambda: _grouped_mm(a.t(), dy, offs=ends)),
-                # and with a row-major copy of the transposed operand (what a different saved layout would give)
-                "dw_gate_up dh^T(contig) @ x": (2 * rows * 2 * width * hidden, None),
             }
-            h_t = h.t().contiguous()
-            cases["dw_gate_up dh^T(contig) @ x"] = (cases["dw_gate_up dh^T(contig) @ x"][0], lambda: _grouped_mm(h_t, x, offs=ends))
             for name, (flops, fn) in cases.items():
                 try:
                     us = do_bench(fn, rep=200) * 1e3
