@@ -34,6 +34,7 @@ _BWD_NUM_WARPS: int | None = None
 # partial rows is latency-bound): 2048 columns -> 128 programs of 128 x 16 loads.
 _PARTIALS_BLOCK_N = 16
 _PARTIALS_BLOCK_P = 128
+_PARTIALS_NUM_WARPS = 4
 
 
 def _bwd_launch_settings(num_cols: int) -> tuple[int, int, int | None]:
@@ -191,8 +192,9 @@ def sum_partials(partial_PC: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     dw = torch.empty_like(weight)
     with device_of(partial_PC):
         _sum_partials_kernel[(triton.cdiv(num_cols, _PARTIALS_BLOCK_N),)](
-            partial_PC, dw, num_partials, num_cols, BLOCK_P=_PARTIALS_BLOCK_P, BLOCK_N=_PARTIALS_BLOCK_N, num_warps=4
-        )
+            partial_PC, dw, num_partials, num_cols, BLOCK_P=_PARTIALS_BLOCK_P, BLOCK_N=_PARTIALS_BLOCK_N,
+            num_warps=_PARTIALS_NUM_WARPS,
+        )  # fmt: skip
     return dw
 
 
