@@ -30,11 +30,17 @@ _BWD_PROGRAMS_PER_SM: int | None = None
 _BWD_NUM_WARPS: int | None = None
 
 
-# Partial-sum reduction: few columns per program so that enough programs run (the loop over the
-# partial rows is latency-bound): 2048 columns -> 128 programs of 128 x 16 loads.
-_PARTIALS_BLOCK_N = 16
-_PARTIALS_BLOCK_P = 128
-_PARTIALS_NUM_WARPS = 4
+# Partial-sum reduction, latency-bound: 512 partial rows per load round and 8 warps; for the hidden
+# norms (2048 columns) 16 columns per program (128 programs), for the q / k norms (head_dim columns)
+# all of them in one program. On an H200 (benchmarks/sum_partials_probe.py,
+# benchmarks/results/session10_h200x2/sum_partials_probe_6d5e468.jsonl): [528, 2048] 8.7 us alone and
+# 5.8 beside a streaming copy (12.5 / 7.3 with the 16-column, 128-row, 4-warp setting used before);
+# [264, 128] 8.2 / 6.4 (9.9 / 28.6: its 8 programs stalled beside the copy, as beside the overlapped
+# AdamW updates of the graphed expert-parallel step, where the kernel took ~29 us per call).
+# None: the per-width default.
+_PARTIALS_BLOCK_N: int | None = None
+_PARTIALS_BLOCK_P = 512
+_PARTIALS_NUM_WARPS = 8
 
 
 def _bwd_launch_settings(num_cols: int) -> tuple[int, int, int | None]:
@@ -190,9 +196,10 @@ def sum_partials(partial_PC: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     """The weight gradient from fp32 per-program partial rows [P, C]: their sum in ``weight``'s dtype."""
     num_partials, num_cols = partial_PC.shape
     dw = torch.empty_like(weight)
+    block_n = _PARTIALS_BLOCK_N or (min(128, next_pow2(num_cols)) if num_cols <= 256 else 16)
     with device_of(partial_PC):
-        _sum_partials_kernel[(triton.cdiv(num_cols, _PARTIALS_BLOCK_N),)](
-            partial_PC, dw, num_partials, num_cols, BLOCK_P=_PARTIALS_BLOCK_P, BLOCK_N=_PARTIALS_BLOCK_N,
+        _sum_partials_kernel[(triton.cdiv(num_cols, block_n),)](
+            partial_PC, dw, num_partials, num_cols, BLOCK_P=_PARTIALS_BLOCK_P, BLOCK_N=block_n,
             num_warps=_PARTIALS_NUM_WARPS,
         )  # fmt: skip
     return dw
