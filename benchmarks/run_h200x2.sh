@@ -13,7 +13,8 @@
 #                ONEGPU_MODES=graph: graphed only)
 #     paritygraph  EP bf16 parity with ep_dispatch=allgather + dense_parallel=replicate, and CUDA-graph
 #                replays of that step equal to its eager step (benchmarks/ep_parity.py --cuda-graph;
-#                with the updates during the backward; PARITY_EXTRA= (empty): without)
+#                with the updates during the backward; PARITY_EXTRA= (empty): without; PARITY_DISPATCH: another
+#                ep_dispatch)
 #     rowBgraph  rows B and C with moetune's expert-parallel step captured in CUDA graphs (all-gather
 #                dispatcher, replicated non-expert parameters, updates during the backward),
 #                Transformers + FSDP2 measured alongside
