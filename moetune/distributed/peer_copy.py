@@ -12,8 +12,9 @@ average, and the same value on both ranks (the sum's two terms are the same numb
 How, per gradient, on a stream of its own: (first of a backward only) a barrier, so that the peer has
 consumed last step's buffer before it is overwritten; the push; a barrier (both pushes landed); the
 add. A receive buffer of the gradients' size per rank (symmetric memory). A second gradient of one
-parameter in one backward goes through NCCL instead (``covers``). The caller waits for the event recorded after the add. Everything is a kernel, a memcpy or an
-event, so it is captured in CUDA graphs. Two ranks on one node (NVLink / P2P), CUDA only.
+parameter in one backward goes through NCCL instead (``covers``). The caller waits for the event
+recorded after the add. Everything is a kernel, a memcpy or an event, so it is captured in CUDA
+graphs. Two ranks on one node (NVLink / P2P), CUDA only.
 """
 
 from __future__ import annotations

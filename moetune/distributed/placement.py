@@ -64,11 +64,13 @@ def expert_loads(
     packed batches). ``all_ranks``: summed over the ranks of the default process group when one is
     initialised (each rank passes its own batches and gets the same counts)."""
     blocks = _moe_blocks(model)
-    counts = {name: torch.zeros(block.num_experts, dtype=torch.int64) for name, block in blocks.items()}
+    device = next(model.parameters()).device
+    # Counted where the routing is (no host sync per layer and forward); to the CPU once at the end.
+    counts = {name: torch.zeros(block.num_experts, dtype=torch.int64, device=device) for name, block in blocks.items()}
 
     def counter(name: str, num_experts: int):
         def hook(_router, _inputs, routing):
-            counts[name] += torch.bincount(routing.experts_TK.reshape(-1), minlength=num_experts).cpu()
+            counts[name] += torch.bincount(routing.experts_TK.reshape(-1), minlength=num_experts).to(device)
 
         return hook
 
@@ -85,13 +87,11 @@ def expert_loads(
             handle.remove()
     # (moetune's FSDP2 wrapping reshards its root group after these no-grad forwards: an optimizer built
     # next holds the sharded parameters; see parallelize.apply_fsdp.)
+    stacked = torch.stack(list(counts.values())) if counts else torch.zeros(0, dtype=torch.int64, device=device)
     if all_ranks and dist.is_available() and dist.is_initialized():
-        stacked = torch.stack(list(counts.values())) if counts else torch.zeros(0, dtype=torch.int64)
-        device = next(model.parameters()).device
         stacked = stacked.to(device if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(stacked)
-        counts = dict(zip(counts, stacked.cpu()))
-    return counts
+    return dict(zip(counts, stacked.cpu()))
 
 
 @torch.no_grad()
