@@ -66,6 +66,11 @@ class MoetuneOptions:
     (``moetune.distributed.peer_copy``; a receive buffer of the replicated gradients' size per rank).
     On 2 H200s within the spread between runs: ~1 ms faster than NCCL in one session, ~1 ms slower in the
     next (benchmarks/README.md, ninth and tenth sessions)."""
+    vocab_parallel: bool = False
+    """``dense_parallel='replicate'``: split the input embedding and the LM head by vocabulary rows over
+    all ranks (Megatron-LM's vocabulary parallelism) instead of replicating them: each rank stores,
+    updates and keeps AdamW states for 1 / world of them, and the LM head's dense gradient is never
+    all-reduced; the step's hidden states travel instead (``moetune.distributed.vocab_parallel``)."""
 
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
@@ -80,6 +85,7 @@ class MoetuneOptions:
             raise ValueError(f"replicate_transport must be one of {REPLICATE_TRANSPORTS}, got {self.replicate_transport!r}")
         if self.dense_parallel not in DENSE_PARALLEL:
             raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {self.dense_parallel!r}")
+        check_vocab_parallel_option(self.vocab_parallel, dense_parallel=self.dense_parallel)
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> MoetuneOptions:
@@ -109,6 +115,17 @@ def check_ep_overlap_chunks(num_chunks: Any, *, capacity_factor: float | None) -
         raise ValueError(
             f"ep_overlap_chunks={num_chunks} cannot be combined with ep_capacity_factor={capacity_factor!r}: "
             "the pipelined dispatcher sends exact splits; set one of them only"
+        )
+
+
+def check_vocab_parallel_option(value: Any, *, dense_parallel: str) -> None:
+    """``vocab_parallel``: a bool, True only with ``dense_parallel='replicate'``."""
+    if not isinstance(value, bool):
+        raise ValueError(f"vocab_parallel must be True or False, got {value!r}")
+    if value and dense_parallel != "replicate":
+        raise ValueError(
+            "vocab_parallel=True splits the embedding and LM head of dense_parallel='replicate' models; with "
+            f"dense_parallel={dense_parallel!r} FSDP2 shards them already"
         )
 
 

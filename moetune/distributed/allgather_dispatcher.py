@@ -34,28 +34,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moetune.distributed.collectives import gather_rows, scatter_sum_rows
 from moetune.distributed.dispatcher import scale_grad
 from moetune.distributed.token_counts import LargestTokenCount
 from moetune.kernels.permute import combine_rows, combine_rows_backward
 from moetune.moe.dispatch import TokenDispatcher, apply_experts, sort_ids
 from moetune.moe.routing import Routing
-
-# torch >= 2.13 renamed the tensor collectives; older versions only have the first names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _gather(x: torch.Tensor, group, world: int) -> torch.Tensor:
-    out = x.new_empty((world * x.shape[0], *x.shape[1:]))
-    _all_gather(out, x.contiguous(), group=group)
-    return out
-
-
-def _scatter_sum(x: torch.Tensor, group, world: int) -> torch.Tensor:
-    out = x.new_empty((x.shape[0] // world, *x.shape[1:]))
-    _reduce_scatter(out, x.contiguous(), group=group)
-    return out
-
 
 class CombineReduceScatter(torch.autograd.Function):
     """Each gathered token's weighted sum of this rank's expert outputs (fp32 partial sums), summed
@@ -74,12 +58,12 @@ class CombineReduceScatter(torch.autograd.Function):
         ctx.save_for_backward(y_NH, weights_GK, order_N, num_valid)
         ctx.group, ctx.world = group, world
         partial_GH = combine_rows(y_NH, weights_GK, order_N, num_valid=num_valid, out_dtype=_partial_dtype(y_NH))
-        return _scatter_sum(partial_GH, group, world).to(out_dtype)
+        return scatter_sum_rows(partial_GH, group, world).to(out_dtype)
 
     @staticmethod
     def backward(ctx, dout_TH):
         y_NH, weights_GK, order_N, num_valid = ctx.saved_tensors
-        dout_GH = _gather(dout_TH, ctx.group, ctx.world)
+        dout_GH = gather_rows(dout_TH, ctx.group, ctx.world)
         dy_NH, dw_GK = combine_rows_backward(
             dout_GH, y_NH, weights_GK, order_N, num_valid=num_valid, need_weights_grad=ctx.needs_input_grad[1],
             rows_grad_scale=1.0 / ctx.world,
@@ -102,15 +86,15 @@ class _AllGatherTokens(torch.autograd.Function):
         pad = -sum(row.shape[1] for row in rows) % _ROW_ALIGN  # every gathered token row starts on a line
         if pad:
             rows.append(rows[0].new_empty(rows[0].shape[0], pad))  # never read: no fill kernel
-        packed_GB = _gather(torch.cat(rows, 1), group, world)
+        packed_GB = gather_rows(torch.cat(rows, 1), group, world)
         x_GH, weights_GK, experts_GK = _unpack(packed_GB, parts)
         ctx.mark_non_differentiable(experts_GK)
         return x_GH, weights_GK, experts_GK
 
     @staticmethod
     def backward(ctx, dx_GH, dweights_GK, _):
-        dx_TH = _scatter_sum(dx_GH, ctx.group, ctx.world) if ctx.needs_input_grad[0] else None
-        dweights_TK = _scatter_sum(dweights_GK, ctx.group, ctx.world) if ctx.needs_input_grad[1] else None
+        dx_TH = scatter_sum_rows(dx_GH, ctx.group, ctx.world) if ctx.needs_input_grad[0] else None
+        dweights_TK = scatter_sum_rows(dweights_GK, ctx.group, ctx.world) if ctx.needs_input_grad[1] else None
         return dx_TH, dweights_TK, None, None, None
 
 

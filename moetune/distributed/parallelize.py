@@ -31,6 +31,7 @@ from moetune.distributed.allgather_dispatcher import AllGatherExpertParallelDisp
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
 from moetune.distributed.mesh import ParallelMesh, build_mesh, rank_device, require_process_group
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
+from moetune.distributed.vocab_parallel import shard_vocabulary
 from moetune.distributed.replicate import (
     ReplicatedGradientSync,
     broadcast_parameters,
@@ -38,7 +39,7 @@ from moetune.distributed.replicate import (
     no_gradient_sync,
 )
 from moetune.moe import GroupedExperts, MoEBlock, TokenDispatcher
-from moetune.options import DENSE_PARALLEL, check_ep_dispatch, check_ep_overlap_chunks
+from moetune.options import DENSE_PARALLEL, check_ep_dispatch, check_ep_overlap_chunks, check_vocab_parallel_option
 
 
 @dataclass
@@ -73,6 +74,9 @@ class ParallelConfig:
     """'replicate' on NCCL: the most CTAs of the gradient all-reduces' communicator (None: NCCL's choice)."""
     replicate_transport: str = "nccl"
     """'replicate': 'nccl' all-reduces, or 'copy_engine' (two ranks: symmetric memory, peer_copy.py)."""
+    vocab_parallel: bool = False
+    """'replicate': split the input embedding and the LM head by vocabulary rows over all ranks
+    instead of replicating them (vocab_parallel.py)."""
 
 
 def moe_blocks(model: nn.Module) -> list[MoEBlock]:
@@ -107,6 +111,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) ->
     """EP -> activation checkpointing -> (compile) -> FSDP2, in place; parameters stay on the meta device."""
     check_unsharded(model)
     check_dense_parallel(config.dense_parallel, mesh)
+    check_vocab_parallel_option(config.vocab_parallel, dense_parallel=config.dense_parallel)
     if mesh.ep_size > 1:
         apply_expert_parallel(
             model,
@@ -115,6 +120,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) ->
             overlap_chunks=config.ep_overlap_chunks,
             dispatch=config.ep_dispatch,
         )
+    if config.vocab_parallel:
+        shard_vocabulary(model, mesh.world)
     if config.lora is not None:
         from moetune.lora import apply_lora
 
@@ -179,7 +186,8 @@ def _dense_gradient_sync(model: nn.Module, group: dist.ProcessGroup, *, transpor
     embedding = model.get_input_embeddings()
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding.weight
-    if not tied and gather_embedding_gradients(embedding, group=group):  # averaged in its own backward
+    vocab_parallel = isinstance(embedding.weight, DTensor)  # averaged in its own backward (vocab_parallel.py)
+    if not tied and not vocab_parallel and gather_embedding_gradients(embedding, group=group):  # averaged in its own backward
         dense = [p for p in dense if p is not embedding.weight]
     return ReplicatedGradientSync(dense, group=group, transport=transport)
 
@@ -202,6 +210,14 @@ def _refuse_resize(*_args, **_kwargs):
     raise ValueError(
         "resize_token_embeddings on an FSDP2-sharded model: resize the vocabulary before sharding (load without "
         "ep_size / device_mesh, resize, save, load again with them) or use dense_parallel='replicate'"
+    )
+
+
+def _refuse_resize_vocab_parallel(*_args, **_kwargs):
+    raise ValueError(
+        "resize_token_embeddings on a vocab_parallel model (embedding and LM head split over the ranks): resize the "
+        "vocabulary before sharding (load without ep_size / device_mesh, resize, save, load again) or load with "
+        "vocab_parallel=False"
     )
 
 
@@ -352,6 +368,7 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         dense_parallel=getattr(options, "dense_parallel", "fsdp"),
         replicate_max_ctas=getattr(options, "replicate_max_ctas", 16),
         replicate_transport=getattr(options, "replicate_transport", "nccl"),
+        vocab_parallel=getattr(options, "vocab_parallel", False),
         lora=getattr(options, "lora", None),
     )
     if config.replicate_transport == "copy_engine" and (
@@ -380,7 +397,10 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         # DDP's name, which accelerate (Transformers' Trainer) and the recipe call for all but the last
         # micro-batch of a step.
         model.no_sync = partial(no_gradient_sync, model.replicated_gradient_syncs)
-        model.resize_token_embeddings = partial(resize_token_embeddings_replicated, model, model.resize_token_embeddings)
+        resize = _refuse_resize_vocab_parallel if config.vocab_parallel else partial(
+            resize_token_embeddings_replicated, model, model.resize_token_embeddings
+        )  # fmt: skip
+        model.resize_token_embeddings = resize
     elif config.dense_parallel == "fsdp":
         model.resize_token_embeddings = _refuse_resize
     model.parallel_mesh = mesh

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from moetune.kernels.cross_entropy import cross_entropy_grad_, scale_unless_one_
 
@@ -59,15 +60,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # The saved gradients are scaled in place and handed to autograd (no copy of the head's
-        # gradient), so they can serve one backward only.
-        if ctx.used:
-            raise RuntimeError("the fused LM-head loss supports one backward per forward (retain_graph is not supported)")
-        ctx.used = True
-        grad_h_TH, grad_w_VH = ctx.saved_tensors
-        grad_h = scale_unless_one_(grad_h_TH, grad_loss) if grad_h_TH is not None else None
-        grad_w = scale_unless_one_(grad_w_VH, grad_loss) if grad_w_VH is not None else None
-        return grad_h, grad_w, None, None, None, None
+        return *saved_gradients_scaled(ctx, grad_loss), None, None, None, None
+
+
+def saved_gradients_scaled(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward of a fused loss whose forward saved (d loss / d hidden, d loss / d head weight):
+    both scaled by the loss's incoming gradient. They are scaled in place and handed to autograd (no
+    copy of the head's gradient), so they can serve one backward only."""
+    if ctx.used:
+        raise RuntimeError("the fused LM-head loss supports one backward per forward (retain_graph is not supported)")
+    ctx.used = True
+    grad_h_TH, grad_w_VH = ctx.saved_tensors
+    grad_h = scale_unless_one_(grad_h_TH, grad_loss) if grad_h_TH is not None else None
+    grad_w = scale_unless_one_(grad_w_VH, grad_loss) if grad_w_VH is not None else None
+    return grad_h, grad_w
 
 
 def linear_cross_entropy(
@@ -93,6 +99,12 @@ def linear_cross_entropy(
         normalizer = num_items_in_batch.to(device=hidden_TH.device, dtype=acc_dtype)
     else:
         normalizer = torch.tensor(float(num_items_in_batch), device=hidden_TH.device, dtype=acc_dtype)
+    if isinstance(weight_VH, DTensor):  # split by vocabulary rows over the ranks (vocab_parallel=True)
+        from moetune.distributed.vocab_parallel import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(
+            hidden_TH, weight_VH, targets_T, normalizer, chunk_rows=chunk_rows, ignore_index=ignore_index
+        )
     if chunk_rows is None:
         # About 512 MiB of logits per chunk (a few chunks per 4k-token micro-batch on GPU).
         chunk_rows = max(1, (1 << 29) // (weight_VH.shape[0] * weight_VH.element_size()))

@@ -184,6 +184,10 @@ class DistributedConfig:
     replicate_max_ctas: int = 16
     """With dense_parallel "replicate" on NCCL: the most CTAs of the gradient all-reduces'
     communicator (few, so they leave bandwidth to the experts' collectives); 0: NCCL's own choice."""
+    vocab_parallel: bool = False
+    """With dense_parallel "replicate": split the input embedding and the LM head by vocabulary rows
+    over all processes instead of replicating them (less memory and optimizer work per process; no
+    all-reduce of the LM head's gradient; moetune/distributed/README.md)."""
     reduce_dtype: str = "float32"
     """Gradient reduce-scatter dtype with ep_size > 1 ("float32" exact sums, or "bfloat16")."""
     backend: str = ""
@@ -239,6 +243,9 @@ def validate(config: JobConfig) -> JobConfig:
           f"{config.distributed.dense_parallel!r} is not one of {DENSE_PARALLEL}")
     check(config.distributed.replicate_transport in REPLICATE_TRANSPORTS, "distributed.replicate_transport",
           f"{config.distributed.replicate_transport!r} is not one of {REPLICATE_TRANSPORTS}")
+    check(not config.distributed.vocab_parallel or config.distributed.dense_parallel == "replicate",
+          "distributed.vocab_parallel", "splits the embedding and LM head of dense_parallel 'replicate' models; "
+          "with 'fsdp' FSDP2 shards them already")
     check(config.distributed.ep_dispatch == "alltoall" or config.distributed.ep_overlap_chunks == 1,
           "distributed.ep_overlap_chunks", "chunked overlap refines the all-to-all dispatcher; with "
           "distributed.ep_dispatch 'allgather' leave it at 1")

@@ -56,6 +56,7 @@ def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora) -> di
         "dense_parallel": config.dense_parallel,
         "replicate_max_ctas": config.replicate_max_ctas or None,
         "replicate_transport": config.replicate_transport,
+        "vocab_parallel": config.vocab_parallel,
         "reduce_dtype": getattr(torch, config.reduce_dtype),
         "lora": lora,
     }

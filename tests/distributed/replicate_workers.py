@@ -98,7 +98,9 @@ def allgather_and_replicate_suite(rank: int, world_size: int, folder: str, out: 
             assert all(torch.equal(c, copies[0]) for c in copies), f"{name} differs between ranks after from_config"
 
 
-def overlapped_optimizer_replicated(rank: int, world_size: int, folder: str, *, ep: int | None = None) -> None:
+def overlapped_optimizer_replicated(
+    rank: int, world_size: int, folder: str, *, ep: int | None = None, options: dict = ALLGATHER_REPLICATE
+) -> None:
     """``CUDAGraphTrainStep(overlap_optimizer=True)`` (off CUDA: the updates run from the gradient
     hooks) on a replicated expert-parallel model: each replicated parameter is updated from its
     averaged gradient (the hook waits for its all-reduce), the experts from theirs; the parameters
@@ -109,7 +111,7 @@ def overlapped_optimizer_replicated(rank: int, world_size: int, folder: str, *, 
     from moetune.optim import AdamW
     from moetune.training import CUDAGraphTrainStep
 
-    model, plain = (_load(folder, ep_size=ep or world_size, **ALLGATHER_REPLICATE) for _ in range(2))
+    model, plain = (_load(folder, ep_size=ep or world_size, **options) for _ in range(2))
     step = CUDAGraphTrainStep(
         model, AdamW(model.parameters(), lr=ADAM_LR, eps=ADAM_EPS), overlap_optimizer=True,
         loss_fn=lambda m, batch: distributed_loss(m, int(batch["step"]), rank, world_size, 64),
@@ -127,10 +129,12 @@ def overlapped_optimizer_replicated(rank: int, world_size: int, folder: str, *, 
     with model.no_sync(), pytest.raises(RuntimeError, match="cannot run inside model.no_sync"):
         step(step=torch.tensor(3))
     step.close()
-    accumulated_once_per_step_replicated(rank, world_size, folder, ep=ep)
+    accumulated_once_per_step_replicated(rank, world_size, folder, ep=ep, options=options)
 
 
-def accumulated_once_per_step_replicated(rank: int, world_size: int, folder: str, *, ep: int | None = None) -> None:
+def accumulated_once_per_step_replicated(
+    rank: int, world_size: int, folder: str, *, ep: int | None = None, options: dict = ALLGATHER_REPLICATE
+) -> None:
     """``CUDAGraphTrainStep(micro_batches=2, overlap_optimizer=True)`` on a replicated model: the first
     micro-batch's gradients stay unreduced (it runs under ``model.no_sync()``), the second reduces them
     and updates during its backward; the parameters equal the plain loop's (no_sync, backward,
@@ -138,7 +142,7 @@ def accumulated_once_per_step_replicated(rank: int, world_size: int, folder: str
     from moetune.optim import AdamW
     from moetune.training import CUDAGraphTrainStep
 
-    model, plain = (_load(folder, ep_size=ep or world_size, **ALLGATHER_REPLICATE) for _ in range(2))
+    model, plain = (_load(folder, ep_size=ep or world_size, **options) for _ in range(2))
     step = CUDAGraphTrainStep(
         model, AdamW(model.parameters(), lr=ADAM_LR, eps=ADAM_EPS), overlap_optimizer=True, micro_batches=2,
         loss_fn=lambda m, batch: distributed_loss(m, int(batch["step"]), rank, world_size, 64) / 2,
@@ -146,9 +150,9 @@ def accumulated_once_per_step_replicated(rank: int, world_size: int, folder: str
     plain_optimizer = AdamW(plain.parameters(), lr=ADAM_LR, eps=ADAM_EPS)
     for i in range(2):
         step.forward_backward(step=torch.tensor(2 * i))
-        head = model.get_output_embeddings().weight.grad
-        copies = [torch.empty_like(head) for _ in range(world_size)]
-        dist.all_gather(copies, head)
+        replicated = next(p.grad for p in model.parameters() if model.replicated_gradient_syncs[0].reduces(p))
+        copies = [torch.empty_like(replicated) for _ in range(world_size)]
+        dist.all_gather(copies, replicated)
         assert not torch.equal(copies[0], copies[1]), "the first micro-batch's gradients were all-reduced"
         step.forward_backward(step=torch.tensor(2 * i + 1))
         step.optimizer_step()

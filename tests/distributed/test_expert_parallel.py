@@ -14,7 +14,7 @@ import transformers
 
 import moetune
 from tests.conftest import save_per_expert_checkpoint, tiny_qwen3_moe_config
-from tests.distributed import replicate_workers, workers
+from tests.distributed import replicate_workers, vocab_parallel_workers, workers
 from tests.distributed.helpers import spawn
 
 pytestmark = pytest.mark.distributed
@@ -53,6 +53,16 @@ def test_four_processes(checkpoint, two_experts_checkpoint, tmp_path):
     """ep=4 and ep=2 x dp_shard_mod_ep=2: training parity and save equality; Shard(1) experts; the
     pipelined dispatcher at ep=4 and at ep=2 x 2 (FSDP2-sharded experts called once per chunk)."""
     spawn(workers.four_process_suite, 4, checkpoint, two_experts_checkpoint, str(tmp_path))
+
+
+def test_vocab_parallel(checkpoint, tmp_path):
+    """vocab_parallel=True (embedding and LM head split by vocabulary rows over the ranks) equals one process."""
+    folders = []
+    for name, overrides in (("tied", {"tie_word_embeddings": True}), ("vocab65", {"vocab_size": 65})):
+        torch.manual_seed(3)
+        config = tiny_qwen3_moe_config(**{"vocab_size": 64, "output_router_logits": False, **overrides})
+        folders.append(str(save_per_expert_checkpoint(transformers.Qwen3MoeForCausalLM(config), tmp_path / name)))
+    spawn(vocab_parallel_workers.vocab_parallel_suite, 2, checkpoint, *folders, str(tmp_path))
 
 
 def test_allgather_dispatch_and_replicated_dense(checkpoint, tmp_path):

@@ -54,8 +54,12 @@ def _load(folder: str, **kwargs):
     return model
 
 
-def _check_layout(model, world_size: int, ep: int, *, dispatcher: str = "ExpertParallelDispatcher", replicated: bool = False) -> None:
-    """Experts are sharded over ep; everything else FSDP2-sharded (or, ``replicated``, full plain tensors)."""
+def _check_layout(
+    model, world_size: int, ep: int, *, dispatcher: str = "ExpertParallelDispatcher", replicated: bool = False,
+    vocab_parallel: bool = False,
+) -> None:
+    """Experts are sharded over ep; everything else FSDP2-sharded (or, ``replicated``, full plain tensors,
+    but for the embedding and LM head with ``vocab_parallel``)."""
     blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     assert blocks, "no MoE layers"
     for block in blocks:
@@ -65,6 +69,8 @@ def _check_layout(model, world_size: int, ep: int, *, dispatcher: str = "ExpertP
         assert type(block.dispatcher).__name__ == (dispatcher if ep > 1 else "LocalTokenDispatcher")
     if replicated:
         expert_params = {id(p) for b in blocks for p in b.experts.parameters()}
+        if vocab_parallel:
+            expert_params |= {id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)}
         for name, param in model.named_parameters():
             assert isinstance(param, DTensor) == (id(param) in expert_params), f"{name}: wrong placement"
         return
@@ -158,7 +164,11 @@ def train_parity(
 
 def _expected_layout(options: dict) -> dict:
     dispatcher = "AllGatherExpertParallelDispatcher" if options.get("ep_dispatch") == "allgather" else "ExpertParallelDispatcher"
-    return {"dispatcher": dispatcher, "replicated": options.get("dense_parallel") == "replicate"}
+    return {
+        "dispatcher": dispatcher,
+        "replicated": options.get("dense_parallel") == "replicate",
+        "vocab_parallel": options.get("vocab_parallel", False),
+    }
 
 
 def _mesh(dp: int, ep: int):

@@ -26,6 +26,55 @@ def test_cross_entropy_grad_kernel_in_interpreter(interpret, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vocabulary_shard_kernels_in_interpreter(interpret, dtype):
+    """The vocabulary-parallel loss's two passes (shard statistics, then the gradient with the whole
+    vocabulary's log-sum-exp) equal their references, for targets inside and outside the shard."""
+    from moetune.kernels.cross_entropy import (
+        cross_entropy_shard_grad_,
+        cross_entropy_shard_grad_reference,
+        cross_entropy_shard_stats,
+        cross_entropy_shard_stats_reference,
+    )
+
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 9000) * 3).to(dtype)
+    targets = torch.tensor([5, 9000 + 5, 20_000, -1, 12_000, 8_999 + 9000])  # shard = columns [9000, 18000)
+    stats = cross_entropy_shard_stats(logits, targets, 9000, impl="triton")
+    expected = cross_entropy_shard_stats_reference(logits, targets, 9000)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(stats, expected.float(), rtol=tol, atol=tol)
+    assert stats[1, 0] == 0 and stats[1, 3] == 0 and stats[1, 1] == logits[1, 5].float()
+    lse = expected[0] + 1.5  # as if the other shards held more mass
+    scale = torch.tensor([0.5, 0.25, 1.0, 0.0, 2.0, 1.0])
+    kernel, reference = logits.clone(), logits.clone()
+    cross_entropy_shard_grad_(kernel, targets, lse, scale, 9000, impl="triton")
+    cross_entropy_shard_grad_reference(reference, targets, lse, scale, 9000)
+    torch.testing.assert_close(kernel.float(), reference.float(), rtol=tol, atol=tol)
+    assert torch.all(kernel[3] == 0)  # scale 0: an ignored row
+
+
+def test_vocabulary_shards_combine_to_the_whole_loss():
+    """Two shards' statistics, combined as the vocabulary-parallel loss combines them, give the loss
+    and logits gradient of the whole vocabulary."""
+    from moetune.kernels.cross_entropy import cross_entropy_shard_grad_, cross_entropy_shard_stats
+
+    torch.manual_seed(1)
+    logits = torch.randn(7, 50, dtype=torch.float64) * 2
+    targets = torch.tensor([0, 24, 25, 49, -100, 3, 30])
+    whole = logits.clone()
+    loss = cross_entropy_grad_reference(whole, targets, torch.tensor(6.0, dtype=torch.float64), -100)
+    safe = torch.where(targets == -100, -1, targets)
+    shards = [logits[:, :25].clone(), logits[:, 25:].clone()]
+    stats = torch.cat([cross_entropy_shard_stats(s, safe, start) for s, start in zip(shards, (0, 25))])
+    lse = torch.logsumexp(stats[0::2], dim=0)
+    valid = (safe >= 0).double()
+    torch.testing.assert_close((lse - stats[1::2].sum(0)) * valid, loss)
+    for shard, start in zip(shards, (0, 25)):
+        cross_entropy_shard_grad_(shard, safe, lse, valid / 6.0, start)
+    torch.testing.assert_close(torch.cat(shards, 1), whole)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scale_unless_one_kernel_in_interpreter(interpret, dtype):
     from moetune.kernels.cross_entropy import scale_unless_one_
 

@@ -86,6 +86,7 @@ def test_unknown_key_names_it_and_the_closest_valid_key(tmp_path):
     (["--distributed.ep_dispatch", "broadcast"], "config field distributed.ep_dispatch: 'broadcast' is not one of"),
     (["--distributed.dense_parallel", "ddp"], "config field distributed.dense_parallel: 'ddp' is not one of"),
     (["--distributed.replicate_transport", "nvlink"], "config field distributed.replicate_transport: 'nvlink' is not one of"),
+    (["--distributed.vocab_parallel", "true"], "config field distributed.vocab_parallel: splits the embedding and LM head"),
     (["--distributed.ep_dispatch", "allgather", "--distributed.ep_overlap_chunks", "2"],
      "config field distributed.ep_overlap_chunks: chunked overlap refines the all-to-all dispatcher"),
 ])
@@ -144,9 +145,10 @@ def test_distributed_fields_reach_moetune_options():
     from moetune.recipe.distributed_setup import Runtime, sharding_options
 
     runtime = Runtime(device=torch.device("cpu"), rank=0, world_size=2)
-    config = load_config(overrides=["--distributed.ep_size", "2", "--distributed.dense_parallel", "replicate"]).distributed
+    config = load_config(overrides=["--distributed.ep_size", "2", "--distributed.dense_parallel", "replicate",
+                                    "--distributed.vocab_parallel", "true"]).distributed  # fmt: skip
     options = sharding_options(runtime, config, lora=None)
-    assert options["replicate_max_ctas"] == 16 and options["dense_parallel"] == "replicate"
+    assert options["replicate_max_ctas"] == 16 and options["dense_parallel"] == "replicate" and options["vocab_parallel"]
     assert options["replicate_transport"] == "nccl"
     assert set(options) <= {field.name for field in dataclasses.fields(MoetuneOptions)}
     MoetuneOptions(**options)  # valid as a whole

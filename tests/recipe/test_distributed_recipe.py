@@ -91,10 +91,12 @@ def test_lora_under_expert_parallelism_exports_a_peft_adapter(tmp_path):
 
 
 def test_allgather_dispatch_with_replicated_dense_parameters(tmp_path):
-    """distributed.ep_dispatch allgather + dense_parallel replicate: trains (moetune's AdamW steps the
-    replicated tensors and the expert DTensors together) and exports a plain Transformers checkpoint."""
+    """distributed.ep_dispatch allgather + dense_parallel replicate + vocab_parallel: trains (moetune's
+    AdamW steps the replicated tensors and the expert and vocabulary DTensors together), evaluates by
+    generation (the split LM head's logits) and exports a plain Transformers checkpoint."""
     records = run_job(tmp_path, tmp_path / "ag", "--training.steps", "2", "--distributed.ep_size", "2",
-                      "--distributed.ep_dispatch", "allgather", "--distributed.dense_parallel", "replicate")
+                      "--distributed.ep_dispatch", "allgather", "--distributed.dense_parallel", "replicate",
+                      "--distributed.vocab_parallel", "true")
     assert sorted(losses(records)) == [1, 2]
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ag/final")
     assert type(model).__name__ == "Qwen3MoeForCausalLM"

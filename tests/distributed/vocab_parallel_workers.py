@@ -1,0 +1,104 @@
+"""Workers of the vocabulary-parallel tests (``vocab_parallel=True``: embedding and LM head split by
+vocabulary rows over the ranks of a replicated expert-parallel model), run in spawned gloo processes
+by tests/distributed/test_expert_parallel.py, each rank comparing against one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from tests.distributed.helpers import (
+    SEQ,
+    distributed_output,
+    micro_batch,
+    reference_output,
+    rel_err,
+)
+from tests.distributed.replicate_workers import overlapped_optimizer_replicated
+from tests.distributed.workers import (
+    ALLGATHER_REPLICATE,
+    TOL,
+    _compare_grads,
+    _load,
+    dcp_resume,
+    one_step_parity,
+    train_parity,
+)
+
+VOCAB_PARALLEL = {**ALLGATHER_REPLICATE, "vocab_parallel": True}
+
+
+def vocab_parallel_suite(rank: int, world_size: int, folder: str, tied_folder: str, uneven_folder: str, out: str) -> None:
+    """Layout; one step (with and without activation checkpointing), SGD + clipping + AdamW training
+    and the saved checkpoint, DCP resume and overlapped AdamW equal one process; the logits path
+    (``return_logits``, Transformers' loss on them, generation); tied embeddings; a vocabulary that
+    does not split evenly; ranks with different sequence lengths; a refused resize."""
+    check_layout(rank, world_size, folder)
+    one_step_parity(rank, world_size, folder, what="vocab_parallel", ep_size=world_size, **VOCAB_PARALLEL)
+    one_step_parity(
+        rank, world_size, folder, what="vocab_parallel + AC", ep_size=world_size, enable_ac=True, **VOCAB_PARALLEL
+    )
+    train_parity(rank, world_size, folder, world_size, out, **VOCAB_PARALLEL)
+    dcp_resume(rank, world_size, folder, world_size, out, **VOCAB_PARALLEL)
+    overlapped_optimizer_replicated(rank, world_size, folder, options=VOCAB_PARALLEL)
+    logits_parity(rank, world_size, folder)
+    one_step_parity(rank, world_size, tied_folder, what="vocab_parallel, tied", ep_size=world_size, **VOCAB_PARALLEL)
+    one_step_parity(rank, world_size, uneven_folder, what="vocab_parallel, 65 rows", ep_size=world_size, **VOCAB_PARALLEL)
+    uneven_sequences(rank, world_size, folder)
+    model = _load(folder, ep_size=world_size, **VOCAB_PARALLEL)
+    with pytest.raises(ValueError, match="resize_token_embeddings on a vocab_parallel model"):
+        model.resize_token_embeddings(72)
+
+
+def check_layout(rank: int, world_size: int, folder: str) -> None:
+    """Both matrices are DTensors Shard(0) over all ranks, rank r holding rows [r * V / world, ...);
+    neither is in the replicated gradients' all-reduce."""
+    model, ref = _load(folder, ep_size=world_size, **VOCAB_PARALLEL), _load(folder)
+    for module, ref_module in ((model.get_input_embeddings(), ref.get_input_embeddings()),
+                               (model.get_output_embeddings(), ref.get_output_embeddings())):  # fmt: skip
+        weight = module.weight
+        assert isinstance(weight, DTensor) and weight.placements == (Shard(0),), type(module).__name__
+        rows = weight.shape[0] // world_size
+        assert torch.equal(weight.to_local(), ref_module.weight[rank * rows : (rank + 1) * rows].detach())
+        assert not any(sync.reduces(weight) for sync in model.replicated_gradient_syncs)
+
+
+def logits_parity(rank: int, world_size: int, folder: str) -> None:
+    """``return_logits=True``: every rank gets the full-vocabulary logits of its own tokens, and
+    Transformers' loss on them trains the split head (logits' gradients all-to-all'd back); greedy
+    generation equals one process's."""
+    vocab = 64
+    model, ref = _load(folder, ep_size=world_size, **VOCAB_PARALLEL), _load(folder)
+    out = distributed_output(model, 0, rank, world_size, vocab, return_logits=True)
+    expected = reference_output(ref, 0, world_size, vocab, return_logits=True)
+    rows = slice(rank * out.logits.shape[0], (rank + 1) * out.logits.shape[0])
+    assert out.logits.shape[-1] == vocab
+    err = rel_err(out.logits, expected.logits[rows])
+    assert err < TOL, f"vocab_parallel logits differ by {err:.2e}"
+    out.loss.backward()
+    expected.loss.backward()
+    _compare_grads(model, ref, what="vocab_parallel, Transformers' loss on the gathered logits")
+    model.eval()
+    ref.eval()
+    ids, _ = micro_batch(5, rank, vocab)
+    settings = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    with torch.no_grad():
+        generated = model.generate(ids, **settings)
+        expected_ids = ref.generate(ids, **settings)
+    assert torch.equal(generated, expected_ids), "vocab_parallel greedy generation differs from one process"
+
+
+def uneven_sequences(rank: int, world_size: int, folder: str) -> None:
+    """Ranks with different sequence lengths (eager): the embedding, the loss and the logits pad the
+    shorter ranks; the gradients are still the average of the ranks' gradients."""
+    model, ref = _load(folder, ep_size=world_size, **VOCAB_PARALLEL), _load(folder)
+    batches = [torch.randint(0, 64, (1, SEQ + 3 * r), generator=torch.Generator().manual_seed(7 + r)) for r in range(world_size)]
+    model(input_ids=batches[rank], labels=batches[rank]).loss.backward()
+    sum(ref(input_ids=ids, labels=ids).loss for ids in batches).div(world_size).backward()
+    _compare_grads(model, ref, what="vocab_parallel, sequence lengths differ between ranks")
+    with torch.no_grad():
+        logits = model(input_ids=batches[rank], return_logits=True).logits
+        expected = ref(input_ids=batches[rank], return_logits=True).logits
+    err = rel_err(logits, expected)
+    assert err < TOL, f"vocab_parallel logits with uneven sequence lengths differ by {err:.2e}"
