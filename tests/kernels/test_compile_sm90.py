@@ -82,7 +82,7 @@ class _CompileOnly:
 @pytest.fixture
 def compile_only(monkeypatch):
     for name in ("kernels.rms_norm", "kernels.swiglu", "kernels.rope", "kernels.permute", "kernels.qk_norm_rope",
-                 "kernels.router", "kernels.grouped_gemm", "optim.adamw"):  # fmt: skip
+                 "kernels.router", "kernels.grouped_gemm", "kernels.cross_entropy", "optim.adamw"):  # fmt: skip
         module = importlib.import_module(f"moetune.{name}")
         for attr, obj in list(vars(module).items()):
             if isinstance(obj, JITFunction) and attr.endswith("_kernel"):  # launched kernels, not jit helpers
@@ -183,3 +183,16 @@ def test_adamw_compiles_for_hopper(compile_only, dtype):
     settings = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     _triton_step(*tensors, lr=1e-5, step=3, **settings)
     _triton_step(*tensors, lr=torch.tensor(1e-5), step=torch.tensor(3.0), **settings)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cross_entropy_kernels_compile_for_hopper(compile_only, dtype):
+    """The fused loss's kernel and the vocabulary-parallel loss's two (shard statistics, shard
+    gradient), at Qwen3's vocabulary and half of it."""
+    from moetune.kernels.cross_entropy import cross_entropy_grad_, cross_entropy_shard_grad_, cross_entropy_shard_stats
+
+    targets = torch.zeros(16, dtype=torch.int64)
+    cross_entropy_grad_(torch.zeros(16, 151_936, dtype=dtype), targets, torch.tensor(4.0), impl="triton")
+    shard = torch.zeros(16, 75_968, dtype=dtype)
+    cross_entropy_shard_stats(shard, targets, 75_968, impl="triton")
+    cross_entropy_shard_grad_(shard, targets, torch.zeros(16), torch.ones(16), 75_968, impl="triton")
