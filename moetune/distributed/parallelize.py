@@ -162,7 +162,8 @@ def replicate_dense_parameters(
                            pg_options=_nccl_options(max_ctas))  # fmt: skip
     syncs = [_dense_gradient_sync(model, group, transport=transport)]
     if mesh.world_size > mesh.ep_size:
-        experts = [p for p in model.parameters() if isinstance(p, DTensor)]
+        # The experts' shards only: a vocab_parallel embedding / LM head is split over all ranks, not replicated.
+        experts = [p for block in moe_blocks(model) for p in block.experts.parameters() if isinstance(p, DTensor)]
         replicas = mesh.dp_shard_mod_ep.get_group()
         broadcast_parameters(experts, group=replicas)
         syncs.append(ReplicatedGradientSync(experts, group=replicas))

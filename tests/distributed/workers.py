@@ -538,6 +538,8 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
     dcp_resume(rank, world_size, folder, 2, out, **ALLGATHER_REPLICATE)
     check_replicas_equal_after_from_config(rank, world_size, ep=2)
     overlapped_optimizer_replicated(rank, world_size, folder, ep=2)
+    # The vocabulary split over all four ranks while the experts are replicated over two.
+    train_parity(rank, world_size, folder, 2, out, **ALLGATHER_REPLICATE, vocab_parallel=True)
     rebalanced_experts_parity(rank, world_size, folder, ep=2)  # experts FSDP2-sharded over 2 replicas
     pipelined_dispatch(rank, world_size)
     pipelined_parity(rank, world_size, folder, ep=4, chunks=(3,))
