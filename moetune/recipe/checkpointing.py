@@ -49,8 +49,9 @@ def checkpoint_root(output_dir: str) -> Path:
 
 
 def save_checkpoint(*, output_dir: str, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    runtime: Runtime, keep_last: int) -> Path:
-    """Write the checkpoint of ``state.step`` (collective: every rank calls it)."""
+                    runtime: Runtime, keep_last: int, rank_tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the checkpoint of ``state.step`` (collective: every rank calls it). ``rank_tensors``:
+    this rank's own tensors to keep beside its RNG states (the recipe's expert-load counts)."""
     root = checkpoint_root(output_dir)
     final = root / f"step_{state.step:08d}"
     tmp = root / f".tmp_step_{state.step:08d}"
@@ -61,7 +62,8 @@ def save_checkpoint(*, output_dir: str, state: TrainState, model: torch.nn.Modul
     model_sd, optim_sd = get_state_dict(model, optimizer)
     with _single_process_quiet(runtime):
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
-    torch.save(_rng_state(), tmp / f"rng_rank{runtime.rank}.pt")
+    torch.save({**_rng_state(), "tensors": {k: v.cpu() for k, v in (rank_tensors or {}).items()}},
+               tmp / f"rng_rank{runtime.rank}.pt")
     barrier(runtime)
     if runtime.is_main:
         (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1))
@@ -97,8 +99,9 @@ def resolve_resume(resume: str, *, output_dir: str) -> Path | None:
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, runtime: Runtime,
-                    fingerprint: dict[str, Any]) -> TrainState:
-    """Load ``path`` into model and optimizer in place, restore the RNGs, return its TrainState.
+                    fingerprint: dict[str, Any]) -> tuple[TrainState, dict[str, torch.Tensor]]:
+    """Load ``path`` into model and optimizer in place, restore the RNGs; return its TrainState and
+    this rank's ``rank_tensors`` (on the CPU).
 
     Refuses a checkpoint of another model (or other LoRA settings, or world size), saying what
     differs, before touching any tensor."""
@@ -117,8 +120,10 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
     with _single_process_quiet(runtime):
         dcp.load(both, checkpoint_id=str(path / "state"))
     set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
-    _set_rng_state(torch.load(path / f"rng_rank{runtime.rank}.pt", weights_only=False))
-    return state
+    # weights_only: tensors, tuples and ints (the RNG states) load; nothing else is unpickled.
+    rank_state = torch.load(path / f"rng_rank{runtime.rank}.pt", weights_only=True)
+    _set_rng_state(rank_state)
+    return state, rank_state.get("tensors", {})
 
 
 @contextlib.contextmanager

@@ -211,8 +211,10 @@ def resume_if_asked(job: Job, config: JobConfig) -> int:
     path = checkpointing.resolve_resume(config.checkpoint.resume, output_dir=config.training.output_dir)
     if path is None:
         return 0
-    state = checkpointing.load_checkpoint(path, model=job.model, optimizer=job.optimizer, runtime=job.runtime,
-                                          fingerprint=job.fingerprint)
+    state, rank_tensors = checkpointing.load_checkpoint(path, model=job.model, optimizer=job.optimizer,
+                                                        runtime=job.runtime, fingerprint=job.fingerprint)
+    if job.expert_load is not None and "expert_tokens" in rank_tensors:  # the counts go on from the resume
+        job.expert_load.counts_LE.copy_(rank_tensors["expert_tokens"])
     job.stream.load_state_dict(state.data)
     return state.step
 
@@ -291,9 +293,10 @@ def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metri
 def save(job: Job, config: JobConfig, step: int) -> Path:
     state = checkpointing.TrainState(step=step, data=job.stream.state_dict(), fingerprint=job.fingerprint,
                                      world_size=job.runtime.world_size)
+    counts = {"expert_tokens": job.expert_load.counts_LE} if job.expert_load is not None else None
     return checkpointing.save_checkpoint(output_dir=config.training.output_dir, state=state, model=job.model,
                                          optimizer=job.optimizer, runtime=job.runtime,
-                                         keep_last=config.checkpoint.keep_last)
+                                         keep_last=config.checkpoint.keep_last, rank_tensors=counts)
 
 
 def finish(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.NullSink,

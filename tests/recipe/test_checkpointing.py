@@ -19,6 +19,15 @@ def test_resume_reproduces_the_uninterrupted_losses(tiny_job, tmp_path):
     assert first.losses == full.losses[:3]
     resumed = finetune(tiny_job(tmp_path / "split", training__steps=6, checkpoint__resume="auto"))
     assert resumed.losses == full.losses[3:]  # bit-identical: model, optimizer, lr, data, RNG
+    # The expert-load counts (the final record, the plots) cover all six steps, as without the resume.
+    assert _final_expert_tokens(tmp_path / "split") == _final_expert_tokens(tmp_path / "full") is not None
+
+
+def _final_expert_tokens(out):
+    import json
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("final")][-1]["expert_tokens"]
 
 
 def test_checkpoints_are_atomic_and_only_the_last_n_are_kept(tiny_job, tmp_path):
