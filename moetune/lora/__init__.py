@@ -8,6 +8,7 @@ from moetune.lora.apply import (
     lora_parameters,
     lora_state_dict,
     merge_lora,
+    merged_state_dict,
     remove_lora,
     reset_lora_parameters,
 )
@@ -23,6 +24,7 @@ __all__ = [
     "lora_parameters",
     "lora_state_dict",
     "merge_lora",
+    "merged_state_dict",
     "peft_adapter_state_dict",
     "remove_lora",
     "reset_lora_parameters",

@@ -16,18 +16,20 @@ from torch.distributed.fsdp import FSDPModule
 from moetune.lora.experts import (
     adapted_params,
     add_expert_adapters,
+    expert_delta,
     is_lora_experts,
     lora_a_name,
     lora_b_name,
     merge_expert_adapters,
     remove_expert_adapters,
 )
-from moetune.lora.init import reset_adapter_
+from moetune.lora.init import fold_delta, reset_adapter_
 from moetune.lora.linear import (
     LORA_A,
     LORA_B,
     add_linear_adapter,
     is_lora_linear,
+    linear_delta,
     merge_linear_adapter,
     remove_linear_adapter,
 )
@@ -139,6 +141,32 @@ def merge_lora(model: nn.Module) -> nn.Module:
     Transformers loads.
     """
     return _drop_adapters(model, merge=True, caller="merge_lora")
+
+
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with every adapter folded into its base weight and the adapters left
+    out, without changing the model: what ``merge_lora(model).state_dict()`` would hold. Works where
+    ``merge_lora`` cannot remove adapters (modules that FSDP2 wrapped after ``apply_lora``, e.g. the
+    experts under expert parallelism over fewer ranks than the world); sharded weights stay DTensors,
+    which ``save_pretrained(..., state_dict=...)`` gathers one by one (every rank calls it)."""
+    if getattr(model, SETTINGS_ATTR, None) is None:
+        raise ValueError("merged_state_dict: the model has no LoRA adapters (apply_lora first)")
+    folded: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            if is_lora_linear(module):
+                folded[_join(prefix, "weight")] = fold_delta(module.weight, linear_delta(module))
+            elif is_lora_experts(module):
+                for name in adapted_params(module):
+                    folded[_join(prefix, name)] = fold_delta(module._parameters[name], expert_delta(module, name))
+    state = {name: folded.get(name, tensor) for name, tensor in model.state_dict().items() if not is_lora_param_name(name)}
+    missing = sorted(set(folded) - set(state))
+    assert not missing, f"merged_state_dict: adapted weights missing from the state dict: {missing[:3]}"
+    return state
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def remove_lora(model: nn.Module) -> nn.Module:

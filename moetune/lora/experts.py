@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from moetune.lora.init import reset_adapter_
+from moetune.lora.init import fold_delta, reset_adapter_
 
 _SCALING = "lora_scaling"
 _TARGETS = "_moetune_lora_targets"
@@ -112,7 +112,7 @@ def merge_expert_adapters(module: nn.Module) -> None:
     with torch.no_grad():
         for name in adapted_params(module):
             weight = module._parameters[name]
-            weight.copy_((weight.float() + expert_delta(module, name).to(weight.device)).to(weight.dtype))
+            weight.copy_(fold_delta(weight, expert_delta(module, name)))
     remove_expert_adapters(module)
 
 

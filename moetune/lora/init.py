@@ -1,4 +1,4 @@
-"""Adapter initialisation shared by Linear and expert adapters (PEFT's default)."""
+"""Adapter initialisation (PEFT's default) and merging, shared by Linear and expert adapters."""
 
 from __future__ import annotations
 
@@ -23,3 +23,9 @@ def reset_adapter_(lora_A: torch.Tensor, lora_B: torch.Tensor) -> None:
     else:
         lora_A.uniform_(-bound, bound)
     lora_B.zero_()
+
+
+@torch.no_grad()
+def fold_delta(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """``weight + delta`` computed in float32 and cast back to the weight's dtype (a new tensor)."""
+    return (weight.detach().float() + delta.to(weight.device)).to(weight.dtype)

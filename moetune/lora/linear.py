@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from moetune.lora.init import reset_adapter_
+from moetune.lora.init import fold_delta, reset_adapter_
 
 # Attribute names set on an adapted Linear; `lora_` is the prefix that marks adapter parameters.
 LORA_A = "lora_A"
@@ -69,8 +69,7 @@ def linear_delta(module: nn.Module) -> torch.Tensor:
 def merge_linear_adapter(module: nn.Module) -> None:
     """Fold s * B @ A into `weight` (in float32, then cast back) and remove the adapter."""
     with torch.no_grad():
-        weight = module.weight
-        weight.copy_((weight.float() + linear_delta(module).to(weight.device)).to(weight.dtype))
+        module.weight.copy_(fold_delta(module.weight, linear_delta(module)))
     remove_linear_adapter(module)
 
 

@@ -234,9 +234,6 @@ def validate(config: JobConfig) -> JobConfig:
     check(config.distributed.ep_size >= 1, "distributed.ep_size", f"must be >= 1, got {config.distributed.ep_size}")
     check(config.distributed.ep_size == 1 or config.distributed.parallelism == "fsdp", "distributed.ep_size",
           "expert parallelism shards the rest with FSDP2: set distributed.parallelism to 'fsdp'")
-    check(not (config.lora.enabled and config.lora.export_merged and config.distributed.ep_size > 1),
-          "lora.export_merged", "merging adapters into expert-parallel shards is not supported; set it to "
-          "false (the PEFT adapter is still exported; merge it in one process with moetune.lora.merge_lora)")
     check(config.distributed.ep_dispatch in EP_DISPATCH, "distributed.ep_dispatch",
           f"{config.distributed.ep_dispatch!r} is not one of {EP_DISPATCH}")
     check(config.distributed.dense_parallel in DENSE_PARALLEL, "distributed.dense_parallel",

@@ -540,6 +540,10 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
     overlapped_optimizer_replicated(rank, world_size, folder, ep=2)
     # The vocabulary split over all four ranks while the experts are replicated over two.
     train_parity(rank, world_size, folder, 2, out, **ALLGATHER_REPLICATE, vocab_parallel=True)
+    from tests.distributed.lora_workers import merged_lora_export
+
+    merged_lora_export(rank, world_size, folder, out, ep=2)  # experts FSDP2-wrapped over 2 replicas
+    merged_lora_export(rank, world_size, folder, out, ep=2, **ALLGATHER_REPLICATE)
     rebalanced_experts_parity(rank, world_size, folder, ep=2)  # experts FSDP2-sharded over 2 replicas
     pipelined_dispatch(rank, world_size)
     pipelined_parity(rank, world_size, folder, ep=4, chunks=(3,))

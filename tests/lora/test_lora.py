@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from moetune.lora import LoraSettings, apply_lora, lora_state_dict, merge_lora
+from moetune.lora import LoraSettings, apply_lora, lora_state_dict, merge_lora, merged_state_dict
 from moetune.moe import GroupedExperts
 
 from .helpers import build_moetune_model, randomize_adapters, rel_err, tiny_qwen3_moe_config
@@ -115,6 +115,20 @@ def test_merged_checkpoint_loads_in_plain_transformers(tmp_path, tokens):
     assert type(plain).__module__.startswith("transformers.")
     with torch.no_grad():
         assert rel_err(plain(tokens).logits, adapted) < 1e-5
+
+
+def test_merged_state_dict_equals_merge_lora_and_keeps_the_adapters():
+    model = apply_lora(build_moetune_model(tiny_qwen3_moe_config()), LoraSettings(rank=2, alpha=4))
+    randomize_adapters(model)
+    adapters = lora_state_dict(model)
+
+    merged = merged_state_dict(model)
+
+    assert lora_state_dict(model).keys() == adapters.keys()  # the model is unchanged
+    expected = merge_lora(model).state_dict()
+    assert merged.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(merged[name], value), name
 
 
 def test_dense_mlp_and_dropout(tokens):

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from recipe_helpers import shipped_rows, write_jsonl
@@ -78,16 +79,23 @@ def test_expert_parallel_two_ranks_train_resume_and_export(tmp_path):
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
 
 
-def test_lora_under_expert_parallelism_exports_a_peft_adapter(tmp_path):
+def test_lora_under_expert_parallelism_exports_a_peft_adapter_and_the_merged_model(tmp_path):
+    """The PEFT adapter, and the merged model (adapters folded into the gathered shards), which
+    equals PEFT's own merge of that adapter into the base."""
     import peft
 
     # With the pipelined expert-parallel dispatcher (distributed.ep_overlap_chunks).
     run_job(tmp_path, tmp_path / "lora", "--training.steps", "2", "--distributed.ep_size", "2",
             "--distributed.ep_overlap_chunks", "2",
-            "--lora.enabled", "true", "--lora.target_experts", "true", "--lora.export_merged", "false")
+            "--lora.enabled", "true", "--lora.target_experts", "true", "--lora.export_merged", "true")
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lora/base")
     model = peft.PeftModel.from_pretrained(base, tmp_path / "lora/adapter")
     assert any("experts" in name for name, _ in model.named_parameters() if "lora" in name)
+    peft_merged = model.merge_and_unload().state_dict()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lora/final").state_dict()
+    assert exported.keys() == peft_merged.keys()
+    for name, value in peft_merged.items():
+        torch.testing.assert_close(exported[name], value, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_allgather_dispatch_with_replicated_dense_parameters(tmp_path):
