@@ -1,11 +1,12 @@
 """Process group, device and data-parallel wrapping: the recipe's only distributed code.
 
 Single process: nothing is initialised. Under torchrun (``moetune finetune --nproc-per-node N``
-or Slurm + torchrun) each rank takes its local GPU and the model is wrapped with FSDP2
-(``fully_shard`` per decoder layer, then the root) or DDP: plain data parallelism. With
-``distributed.ep_size > 1`` the model comes already sharded from moetune's ``from_pretrained`` /
-``from_config`` (expert parallelism + FSDP2 on one mesh, ``moetune.distributed``) and is not
-wrapped again; its gradient norm is clipped by ``moetune.distributed.clip_grad_norm_``.
+or Slurm + torchrun) each rank takes its local GPU. The model comes already sharded from moetune's
+``from_pretrained`` / ``from_config`` (``moetune.distributed``: expert parallelism with
+``distributed.ep_size > 1``, FSDP2 on one mesh; FSDP2 alone for an architecture moetune implements),
+each rank reading only its own weights, and is not wrapped again; its gradient norm is clipped by
+``moetune.distributed.clip_grad_norm_``. DDP, and FSDP2 of the architectures that fall back to
+Transformers' classes, wrap the loaded model (``fully_shard`` per decoder layer, then the root).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moetune.models.registry import family_for
 from moetune.recipe.config import DistributedConfig, TrainingConfig
 from moetune.utils.process import ProcessInfo
 
@@ -45,10 +47,23 @@ def init_runtime(training: TrainingConfig, dist_config: DistributedConfig) -> Ru
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora) -> dict | None:
-    """moetune's ``from_pretrained`` options for expert parallelism, or None for data parallelism."""
-    if not runtime.distributed or config.ep_size == 1:
+def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora, model_config=None) -> dict | None:
+    """moetune's ``from_pretrained`` options for expert parallelism, or for FSDP2 without it on an
+    architecture moetune implements (``model_config``; a (world, 1) mesh: moetune shards the model on
+    the meta device and each rank reads only its own weights, where wrapping a loaded model would
+    have every rank read all of them first); None for DDP and the fallback architectures, which
+    ``wrap_model`` wraps after loading."""
+    if not runtime.distributed:
         return None
+    if config.ep_size == 1:
+        if config.parallelism != "fsdp" or model_config is None or family_for(model_config) is None:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from moetune.distributed import MESH_DIM_NAMES
+
+        mesh = init_device_mesh(runtime.device.type, (runtime.world_size, 1), mesh_dim_names=MESH_DIM_NAMES)
+        return {"device_mesh": mesh, "reduce_dtype": getattr(torch, config.reduce_dtype), "lora": lora}
     return {
         "ep_size": config.ep_size,
         "ep_overlap_chunks": config.ep_overlap_chunks,

@@ -176,7 +176,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
     data = prepare_data(config.data, tokenizer, seed=config.training.seed)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     lora = config.lora if config.lora.enabled else None
-    sharding = sharding_options(runtime, config.distributed, lora=lora)
+    sharding = sharding_options(runtime, config.distributed, lora=lora, model_config=model_config)
     hf_model = build_model(config.model, model_config=model_config, dtype=dtype, device=runtime.device,
                            sharding=sharding)
     base_path = config.model.pretrained_path
@@ -230,7 +230,22 @@ def open_sink(job: Job, config: JobConfig, step: int) -> metrics.MetricsSink | m
                  f"{stats.bad_rows} malformed rows skipped, {stats.truncated} truncated to "
                  f"{config.data.max_length} tokens, {stats.empty} without answer tokens dropped"
                  + (f"; resuming at step {step}" if step else ""))
+    layout = sharding_description(job)
+    sink.message(f"model: {layout}")
+    sink.log({"step": step, "sharding": layout})
     return sink
+
+
+def sharding_description(job: Job) -> str:
+    """How the model is spread over the processes, in words (printed and logged at the start)."""
+    mesh = getattr(job.hf_model, "parallel_mesh", None)
+    if mesh is not None:
+        dense = "replicated" if getattr(job.hf_model, "replicated_gradient_syncs", None) else "FSDP2"
+        return (f"sharded by moetune over {mesh.world_size} processes (expert parallelism {mesh.ep_size}, "
+                f"the rest {dense}); each process read only its own weights")
+    if not job.runtime.distributed:
+        return "one process"
+    return "DDP" if job.model is not job.hf_model else "FSDP2, wrapped after every process loaded the whole model"
 
 
 def held_out_accuracy(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.NullSink, *, step: int,

@@ -41,8 +41,12 @@ def test_fsdp2_two_ranks_resume_exactly(tmp_path):
     """The checkpoint of step 2 is written right after a validation pass (forwards without gradients,
     after which FSDP2 would keep the root group gathered if moetune did not reshard it)."""
     val = ("--training.val_every", "2")
-    full = losses(run_job(tmp_path, tmp_path / "full", "--training.steps", "4", "--checkpoint.every", "2",
-                          "--checkpoint.export_final", "false", *val))
+    records = run_job(tmp_path, tmp_path / "full", "--training.steps", "4", "--checkpoint.every", "2",
+                      "--checkpoint.export_final", "false", *val)
+    # FSDP2 without expert parallelism of an architecture moetune implements: sharded on the meta
+    # device by moetune, each rank reading its own weights.
+    assert records[0]["sharding"].startswith("sharded by moetune over 2 processes (expert parallelism 1, the rest FSDP2)")
+    full = losses(records)
     resumed = losses(run_job(tmp_path, tmp_path / "resumed", "--training.steps", "4", "--checkpoint.resume",
                              str(tmp_path / "full/checkpoints/step_00000002"), "--checkpoint.export_final", "false", *val))
     assert sorted(resumed) == [3, 4]
@@ -51,6 +55,7 @@ def test_fsdp2_two_ranks_resume_exactly(tmp_path):
 
 def test_ddp_two_ranks_train_and_export(tmp_path):
     records = run_job(tmp_path, tmp_path / "ddp", "--training.steps", "2", "--distributed.parallelism", "ddp")
+    assert records[0]["sharding"] == "DDP"
     assert sorted(losses(records)) == [1, 2]
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ddp/final")
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
