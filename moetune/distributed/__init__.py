@@ -4,6 +4,7 @@ from moetune.distributed.allgather_dispatcher import AllGatherExpertParallelDisp
 from moetune.distributed.checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher, all_to_all
 from moetune.distributed.grad_norm import clip_grad_norm_, total_grad_norm
+from moetune.distributed.inference import gathered_for_inference
 from moetune.distributed.mesh import FLAT_DIM_NAME, MESH_DIM_NAMES, ParallelMesh, build_mesh
 from moetune.distributed.parallelize import ParallelConfig, parallelize, parallelize_for_options
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
@@ -22,6 +23,7 @@ __all__ = [
     "all_to_all",
     "build_mesh",
     "clip_grad_norm_",
+    "gathered_for_inference",
     "load_distributed_checkpoint",
     "parallelize",
     "parallelize_for_options",

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moetune.distributed.allgather_dispatcher import AllGatherExpertParallelDispatcher
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
+from moetune.distributed.inference import KEEP_GATHERED_ATTR, RESHARD_ATTR
 from moetune.distributed.mesh import ParallelMesh, build_mesh, rank_device, require_process_group
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
 from moetune.distributed.vocab_parallel import shard_vocabulary
@@ -314,17 +315,21 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> 
         # Shard(1) when Shard(0) would leave ranks without an expert (TorchTitan's rule).
         dim = 0 if num_local % experts_mesh.size() == 0 else 1
         fully_shard(block.experts, mesh=experts_mesh, shard_placement_fn=lambda _p, d=dim: Shard(d), **common)
+        setattr(block.experts, RESHARD_ATTR, config.reshard_after_forward)
     if ignored:
         common["ignored_params"] = ignored
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh.world, **common)
+        setattr(layer, RESHARD_ATTR, config.reshard_after_forward)
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     # The LM head stays in the root group: the fused loss reads its weight without calling the module.
     if embeddings is not None and not _tied(model, embeddings):
         fully_shard(embeddings, mesh=mesh.world, **common)
+        setattr(embeddings, RESHARD_ATTR, config.reshard_after_forward)
     # The root group (LM head, final norm) is used last in forward and first in backward: keeping it
     # gathered between the two saves one all-gather of the head per step (TorchTitan does the same).
     fully_shard(model, mesh=mesh.world, **{**common, "reshard_after_forward": False})
+    setattr(model, RESHARD_ATTR, False)
     # Without a backward to reshard it, the root group would stay gathered after an inference forward
     # (evaluation, generation, expert counts): an optimizer built then would hold FSDP2's temporary
     # unsharded tensors instead of the parameters, and every update of the LM head would be lost.
@@ -337,7 +342,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> 
 
 
 def _reshard_after_inference(module: FSDPModule, _inputs, _output) -> None:
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() and not getattr(module, KEEP_GATHERED_ATTR, False):
         module.reshard()
 
 

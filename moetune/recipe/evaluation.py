@@ -9,6 +9,7 @@ from typing import Any, Callable
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from moetune.distributed.inference import gathered_for_inference
 from moetune.recipe.distributed_setup import Runtime, all_reduce_sum
 from moetune.recipe.formatting import eval_prompt_and_answer
 from moetune.recipe.packing import Batch
@@ -57,14 +58,16 @@ def exact_match(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, eval
     was_training = model.training
     model.eval()
     completions: list[str] = []
-    for start in range(0, len(eval_set.prompts), batch_size):
-        prompts = eval_set.prompts[start:start + batch_size]
-        enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
-                        add_special_tokens=False).to(device)
-        with autocast():
-            out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        completions += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    # FSDP2: the parameters gathered once for all prompts, not once per generated token (where they fit).
+    with gathered_for_inference(model):
+        for start in range(0, len(eval_set.prompts), batch_size):
+            prompts = eval_set.prompts[start:start + batch_size]
+            enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left",
+                            add_special_tokens=False).to(device)
+            with autocast():
+                out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            completions += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     model.train(was_training)
     correct = [c.strip() == a.strip() for c, a in zip(completions, eval_set.answers)]
     return {"accuracy": sum(correct) / max(1, len(correct)), "num_samples": len(correct),

@@ -263,6 +263,9 @@ def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str,
     pipelined_dispatch(rank, world_size)
     pipelined_parity(rank, world_size, folder, ep=2, chunks=(2, 3))
     generate_parity(rank, world_size, folder)
+    from tests.distributed.inference_workers import generation_gathers_once
+
+    generation_gathers_once(rank, world_size, folder, ep=2)
     rebalanced_experts_parity(rank, world_size, folder)  # FSDP2-sharded router rows: the DTensor path
     optimizer_after_inference_forward(rank, world_size, folder)
     # Tied LM head and embeddings: one parameter, in FSDP2's root group.
@@ -543,6 +546,9 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
     from tests.distributed.lora_workers import merged_lora_export
 
     merged_lora_export(rank, world_size, folder, out, ep=2)  # experts FSDP2-wrapped over 2 replicas
+    from tests.distributed.inference_workers import generation_gathers_once
+
+    generation_gathers_once(rank, world_size, folder, ep=2)  # the experts' FSDP2 groups gathered too
     merged_lora_export(rank, world_size, folder, out, ep=2, **ALLGATHER_REPLICATE)
     rebalanced_experts_parity(rank, world_size, folder, ep=2)  # experts FSDP2-sharded over 2 replicas
     pipelined_dispatch(rank, world_size)
