@@ -80,6 +80,25 @@ def test_linear_cross_entropy_matches_materialised_logits(num_items, chunk_rows)
     assert rel_err(h2, gh) < 1e-12 and rel_err(w2, gw) < 1e-12
 
 
+def test_linear_cross_entropy_under_autocast_matches_transformers_lm_head():
+    """Under bf16 autocast with fp32 weights (the recipe's default precision on GPU) and several
+    chunks: the GEMMs run in bf16 as autocast's nn.Linear would, the gradients come back in fp32."""
+    torch.manual_seed(0)
+    h = torch.randn(24, 16, requires_grad=True)
+    w = torch.randn(40, 16, requires_grad=True)
+    targets = torch.randint(0, 40, (24,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy(h, w, targets, chunk_rows=5)  # 5 chunks: in-place accumulation under autocast
+        logits = torch.nn.functional.linear(h, w)
+    assert logits.dtype == torch.bfloat16
+    expected = torch.nn.functional.cross_entropy(logits.float(), targets)
+    gh, gw = torch.autograd.grad(expected, (h, w))
+    h2, w2 = torch.autograd.grad(got, (h, w))
+    assert w2.dtype == torch.float32 and h2.dtype == torch.float32
+    assert rel_err(got, expected) < 1e-3
+    assert rel_err(h2, gh) < 2e-2 and rel_err(w2, gw) < 2e-2
+
+
 def test_linear_cross_entropy_refuses_a_second_backward():
     """Its gradients are scaled in place and handed over: a second backward would scale them twice."""
     h = torch.randn(4, 8, requires_grad=True)

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor, Shard
 from moetune.distributed.collectives import gather_rows, pad_rows, scatter_sum_rows
 from moetune.distributed.token_counts import LargestTokenCount
 from moetune.kernels.cross_entropy import cross_entropy_shard_grad_, cross_entropy_shard_stats
-from moetune.layers.linear_cross_entropy import saved_gradients_scaled
+from moetune.layers.linear_cross_entropy import accumulate_head_grad, as_dtypes, gemm_operands, saved_gradients_scaled
 
 
 class VocabShard:
@@ -180,12 +180,14 @@ class _VocabParallelLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h_TH, w_SH, shard: VocabShard):
         num, longest = h_TH.shape[0], shard.token_counts(h_TH.shape[0])
-        h_GH = gather_rows(pad_rows(h_TH, longest), shard.group, shard.world)
-        logits_GS = h_GH @ w_SH.t()
+        ctx.dtypes = h_TH.dtype, w_SH.dtype
+        with gemm_operands(h_TH, w_SH) as (h_TH_c, w_SH_c):  # autocast's dtype, as nn.Linear's logits
+            h_GH = gather_rows(pad_rows(h_TH_c, longest), shard.group, shard.world)
+            logits_GS = h_GH @ w_SH_c.t()
         # Block r of the rows goes to rank r; every block padded to the widest shard's columns.
         received = _all_to_all(_pad_columns(logits_GS, shard.max_rows), shard.group)
         logits_TV = torch.cat([received[r * longest : (r + 1) * longest, : shard.sizes[r]] for r in range(shard.world)], 1)
-        ctx.save_for_backward(h_GH, w_SH)
+        ctx.save_for_backward(h_GH, w_SH_c)
         ctx.shard, ctx.num, ctx.longest = shard, num, longest
         return logits_TV[:num]
 
@@ -197,9 +199,10 @@ class _VocabParallelLogits(torch.autograd.Function):
         blocks = torch.split(grad_TV, shard.sizes, dim=1)  # shard r's columns of this rank's tokens
         send = torch.cat([_pad_columns(block, shard.max_rows) for block in blocks])
         grad_GS = _all_to_all(send, shard.group)[:, : shard.rows]  # this shard's columns of every rank's tokens
+        grad_GS = grad_GS.to(w_SH.dtype)
         grad_h = scatter_sum_rows(grad_GS @ w_SH, shard.group, shard.world)[: ctx.num] if ctx.needs_input_grad[0] else None
         grad_w = (grad_GS.t() @ h_GH).div_(shard.world) if ctx.needs_input_grad[1] else None
-        return grad_h, grad_w, None
+        return *as_dtypes((grad_h, ctx.dtypes[0]), (grad_w, ctx.dtypes[1])), None
 
 
 def _pad_columns(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -249,33 +252,32 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         group, world = shard.group, shard.world
         num, longest = h_TH.shape[0], shard.token_counts(h_TH.shape[0])
         acc_dtype = normalizer.dtype
-        h_GH = gather_rows(pad_rows(h_TH, longest), group, world)
         # Ignored targets become -1 (in no shard); padding rows too.
         targets_G = gather_rows(pad_rows(torch.where(targets_T == ignore_index, -1, targets_T), longest, -1), group, world)
         normalizers_G = gather_rows(normalizer.reshape(1), group, world).repeat_interleave(longest)
         valid_G = targets_G >= 0
         scale_G = valid_G.to(acc_dtype) / normalizers_G  # each row's loss weight on its own rank
         loss_G = torch.zeros(targets_G.shape, dtype=acc_dtype, device=h_TH.device)
-        grad_h_GH = torch.empty_like(h_GH) if needs_h else None
-        grad_w_SH = None
-        for start in range(0, h_GH.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            h_CH, targets_C = h_GH[rows], targets_G[rows]
-            logits_CS = h_CH @ w_SH.t()  # the model dtype, as the replicated loss
-            stats_R2C = gather_rows(cross_entropy_shard_stats(logits_CS, targets_C, shard.start), group, world)
-            lse_C = torch.logsumexp(stats_R2C[0::2], dim=0)
-            loss_G[rows] = (lse_C - stats_R2C[1::2].sum(0)) * valid_G[rows]
-            if not (needs_h or needs_w):
-                continue
-            cross_entropy_shard_grad_(logits_CS, targets_C, lse_C, scale_G[rows], shard.start)
-            if needs_h:
-                grad_h_GH[rows] = logits_CS @ w_SH
-            if needs_w:  # every rank's tokens: the average over the ranks is this sum / world
-                if grad_w_SH is None:  # beta=0: the empty tensor's contents are ignored, NaNs included
-                    grad_w_SH = torch.empty_like(w_SH).addmm_(logits_CS.t(), h_CH, beta=0, alpha=1.0 / world)
-                else:
-                    grad_w_SH.addmm_(logits_CS.t(), h_CH, alpha=1.0 / world)
-        grad_h_TH = scatter_sum_rows(grad_h_GH, group, world)[:num] if needs_h else None
+        grad_h_GH = grad_w_SH = None
+        with gemm_operands(h_TH, w_SH) as (h_TH_c, w_SH_c):
+            h_GH = gather_rows(pad_rows(h_TH_c, longest), group, world)
+            grad_h_GH = torch.empty_like(h_GH) if needs_h else None
+            for start in range(0, h_GH.shape[0], chunk_rows):
+                rows = slice(start, start + chunk_rows)
+                h_CH, targets_C = h_GH[rows], targets_G[rows]
+                logits_CS = h_CH @ w_SH_c.t()  # the model dtype, as the replicated loss
+                stats_R2C = gather_rows(cross_entropy_shard_stats(logits_CS, targets_C, shard.start), group, world)
+                lse_C = torch.logsumexp(stats_R2C[0::2], dim=0)
+                loss_G[rows] = (lse_C - stats_R2C[1::2].sum(0)) * valid_G[rows]
+                if not (needs_h or needs_w):
+                    continue
+                cross_entropy_shard_grad_(logits_CS, targets_C, lse_C, scale_G[rows], shard.start)
+                if needs_h:
+                    grad_h_GH[rows] = logits_CS @ w_SH_c
+                if needs_w:  # every rank's tokens: the average over the ranks is this sum / world
+                    grad_w_SH = accumulate_head_grad(grad_w_SH, logits_CS.t(), h_CH, alpha=1.0 / world)
+            grad_h_TH = scatter_sum_rows(grad_h_GH, group, world)[:num] if needs_h else None
+        grad_h_TH, grad_w_SH = as_dtypes((grad_h_TH, h_TH.dtype), (grad_w_SH, w_SH.dtype))
         ctx.save_for_backward(grad_h_TH, grad_w_SH)
         ctx.used = False
         own = slice(shard.rank * longest, shard.rank * longest + num)

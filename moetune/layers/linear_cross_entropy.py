@@ -13,6 +13,9 @@ Shape legend: T tokens, H hidden, V vocabulary, C rows in one chunk.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -33,34 +36,60 @@ class _LinearCrossEntropy(torch.autograd.Function):
         needs_h, needs_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         acc_dtype = torch.promote_types(w_VH.dtype, torch.float32)  # fp32 for bf16 models, fp64 stays fp64
         loss_sum = torch.zeros((), dtype=acc_dtype, device=h_TH.device)
-        grad_h_TH = torch.empty_like(h_TH) if needs_h else None
-        grad_w_VH = None
-        for start in range(0, h_TH.shape[0], chunk_rows):
-            h_CH = h_TH[start : start + chunk_rows]
-            targets_C = targets_T[start : start + chunk_rows]
-            # Logits in the model dtype, as Transformers' lm_head makes them; the kernel upcasts
-            # inside and overwrites them with d(loss)/d(logits).
-            logits_CV = h_CH @ w_VH.t()
-            loss_sum += cross_entropy_grad_(logits_CV, targets_C, normalizer, ignore_index=ignore_index).sum()
-            if not (needs_h or needs_w):
-                continue
-            # Both GEMMs run in the model dtype on tensor cores with fp32 accumulation inside; the
-            # head's gradient is accumulated across the few chunks by the GEMM itself (beta=1),
-            # not through an fp32 buffer of the head's size.
-            if needs_h:
-                grad_h_TH[start : start + chunk_rows] = logits_CV @ w_VH
-            if needs_w:
-                if grad_w_VH is None:
-                    grad_w_VH = logits_CV.t() @ h_CH
-                else:
-                    grad_w_VH.addmm_(logits_CV.t(), h_CH)
-        ctx.save_for_backward(grad_h_TH, grad_w_VH)
+        grad_h_TH = grad_w_VH = None
+        with gemm_operands(h_TH, w_VH) as (h_TH_c, w_VH_c):
+            grad_h_TH = torch.empty_like(h_TH_c) if needs_h else None
+            for start in range(0, h_TH.shape[0], chunk_rows):
+                h_CH = h_TH_c[start : start + chunk_rows]
+                targets_C = targets_T[start : start + chunk_rows]
+                # Logits in the model dtype, as Transformers' lm_head makes them; the kernel upcasts
+                # inside and overwrites them with d(loss)/d(logits).
+                logits_CV = h_CH @ w_VH_c.t()
+                loss_sum += cross_entropy_grad_(logits_CV, targets_C, normalizer, ignore_index=ignore_index).sum()
+                if not (needs_h or needs_w):
+                    continue
+                # Both GEMMs run in the model dtype on tensor cores with fp32 accumulation inside; the
+                # head's gradient is accumulated across the few chunks by the GEMM itself (beta=1),
+                # not through an fp32 buffer of the head's size.
+                if needs_h:
+                    grad_h_TH[start : start + chunk_rows] = logits_CV @ w_VH_c
+                if needs_w:
+                    grad_w_VH = accumulate_head_grad(grad_w_VH, logits_CV.t(), h_CH)
+        ctx.save_for_backward(*as_dtypes((grad_h_TH, h_TH.dtype), (grad_w_VH, w_VH.dtype)))
         ctx.used = False
         return loss_sum / normalizer
 
     @staticmethod
     def backward(ctx, grad_loss):
         return *saved_gradients_scaled(ctx, grad_loss), None, None, None, None
+
+
+@contextlib.contextmanager
+def gemm_operands(h: torch.Tensor, w: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The LM head's GEMM operands in the dtype they run in, with autocast off inside: autocast's
+    dtype where it is on (what ``nn.Linear`` would compute in; in-place GEMMs such as ``addmm_`` are
+    not autocast, so every operand is cast once here), else their own."""
+    device_type = h.device.type
+    if not torch.is_autocast_enabled(device_type):
+        yield h, w
+        return
+    dtype = torch.get_autocast_dtype(device_type)
+    with torch.autocast(device_type, enabled=False):
+        yield h.to(dtype), w.to(dtype)
+
+
+def accumulate_head_grad(grad: torch.Tensor | None, dlogits_t: torch.Tensor, h_CH: torch.Tensor, *,
+                         alpha: float = 1.0) -> torch.Tensor:
+    """``grad + alpha * dlogits_t @ h_CH`` by the GEMM itself (beta = 1), or the first term."""
+    if grad is None:  # beta=0: the empty tensor's contents are ignored, NaNs included
+        return torch.empty(dlogits_t.shape[0], h_CH.shape[1], dtype=h_CH.dtype, device=h_CH.device).addmm_(
+            dlogits_t, h_CH, beta=0, alpha=alpha)
+    return grad.addmm_(dlogits_t, h_CH, alpha=alpha)
+
+
+def as_dtypes(*pairs: tuple[torch.Tensor | None, torch.dtype]) -> list[torch.Tensor | None]:
+    """Each tensor cast to its dtype (gradients back to their parameters' dtypes under autocast)."""
+    return [None if t is None else t.to(dtype) for t, dtype in pairs]
 
 
 def saved_gradients_scaled(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:

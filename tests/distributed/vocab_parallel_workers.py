@@ -46,6 +46,7 @@ def vocab_parallel_suite(rank: int, world_size: int, folder: str, tied_folder: s
     one_step_parity(rank, world_size, tied_folder, what="vocab_parallel, tied", ep_size=world_size, **VOCAB_PARALLEL)
     one_step_parity(rank, world_size, uneven_folder, what="vocab_parallel, 65 rows", ep_size=world_size, **VOCAB_PARALLEL)
     uneven_sequences(rank, world_size, folder)
+    loss_in_chunks_and_under_autocast(rank, world_size, folder)
     model = _load(folder, ep_size=world_size, **VOCAB_PARALLEL)
     with pytest.raises(ValueError, match="resize_token_embeddings on a vocab_parallel model"):
         model.resize_token_embeddings(72)
@@ -102,3 +103,39 @@ def uneven_sequences(rank: int, world_size: int, folder: str) -> None:
         expected = ref(input_ids=batches[rank], return_logits=True).logits
     err = rel_err(logits, expected)
     assert err < TOL, f"vocab_parallel logits with uneven sequence lengths differ by {err:.2e}"
+
+
+def loss_in_chunks_and_under_autocast(rank: int, world_size: int, folder: str) -> None:
+    """The split loss over several chunks equals the replicated fused loss on the whole head (fp32),
+    and under bf16 autocast with fp32 weights (the recipe's default precision on GPU) it runs its
+    GEMMs in bf16 as the replicated loss does and returns fp32 gradients."""
+    import contextlib
+
+    import torch.distributed as dist
+
+    from moetune.layers import linear_cross_entropy
+
+    head = _load(folder, ep_size=world_size, **VOCAB_PARALLEL).get_output_embeddings().weight
+    full = head.full_tensor().detach()
+    generator = torch.Generator().manual_seed(11)
+    hidden = [torch.randn(13, full.shape[1], generator=generator) for _ in range(world_size)]
+    targets = [torch.randint(0, full.shape[0], (13,), generator=generator) for _ in range(world_size)]
+    targets[rank][: rank + 1] = -100
+    for autocast, tol in ((False, TOL), (True, 2e-2)):
+        context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        h, h_ref = (hidden[rank].clone().requires_grad_() for _ in range(2))
+        w_ref = full.clone().requires_grad_()
+        head.grad = None
+        with context:
+            loss = linear_cross_entropy(h, head, targets[rank], chunk_rows=4)  # 7 chunks of the 26 gathered rows
+            expected = linear_cross_entropy(h_ref, w_ref, targets[rank], chunk_rows=5)
+        loss.backward()
+        expected.backward()
+        # The split head's gradient is the average over the ranks, as the replicated all-reduce gives.
+        dist.all_reduce(w_ref.grad)
+        w_ref.grad /= world_size
+        assert head.grad.to_local().dtype == torch.float32 and h.grad.dtype == torch.float32
+        for got, want, what in ((loss, expected, "loss"), (h.grad, h_ref.grad, "hidden gradient"),
+                                (head.grad.full_tensor(), w_ref.grad, "head gradient")):  # fmt: skip
+            err = rel_err(got, want)
+            assert err < tol, f"vocab_parallel loss in chunks, autocast={autocast}: {what} differs by {err:.2e}"
