@@ -69,7 +69,7 @@ class VocabShard:
         self.token_counts = LargestTokenCount(group, what=f"vocab_parallel ({what})")
 
 
-def check_vocab_parallel(model: nn.Module, world: int) -> None:
+def check_vocab_parallel(model: nn.Module) -> None:
     """A clear error before sharding when the model's embedding or head is not the plain kind."""
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
@@ -85,28 +85,26 @@ def check_vocab_parallel(model: nn.Module, world: int) -> None:
         raise ValueError(
             f"vocab_parallel needs a bias-free nn.Linear LM head, got {type(head).__name__}; use vocab_parallel=False"
         )
-    if embedding.num_embeddings < world or head.out_features < world:
-        raise ValueError(f"vocab_parallel: the vocabulary ({embedding.num_embeddings} rows) is smaller than the {world} ranks")
 
 
 def shard_vocabulary(model: nn.Module, world_mesh) -> None:
     """Make the input embedding's and the LM head's weights (one tensor when tied) DTensors
     ``Shard(0)`` over ``world_mesh`` and give both modules their vocabulary-parallel forwards. On the
     meta device, before allocation (as ``apply_expert_parallel``)."""
-    check_vocab_parallel(model, world_mesh.size())
+    check_vocab_parallel(model)
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
     tied = head.weight is embedding.weight
     sharded_of: dict[int, nn.Parameter] = {}
     for module, what in ((embedding, "the input embedding"), (head, "the LM head")):
         weight = module.weight
+        shard = VocabShard(world_mesh.get_group(), weight.shape[0], what=what)  # raises if a rank gets no row
         if id(weight) not in sharded_of:
-            shard = VocabShard(world_mesh.get_group(), weight.shape[0], what=what)
             local = torch.empty((shard.rows, *weight.shape[1:]), dtype=weight.dtype, device=weight.device)
             sharded = DTensor.from_local(local, world_mesh, [Shard(0)], run_check=False, shape=weight.shape,
                                          stride=weight.stride())  # fmt: skip
             sharded_of[id(weight)] = nn.Parameter(sharded, requires_grad=weight.requires_grad)
         module.weight = sharded_of[id(weight)]
-        module._vocab_shard = VocabShard(world_mesh.get_group(), weight.shape[0], what=what)
+        module._vocab_shard = shard
         module.__class__ = _vocab_parallel_class(type(module), VocabParallelEmbedding if module is embedding else VocabParallelLMHead)
     assert not tied or head.weight is embedding.weight
 
@@ -121,10 +119,6 @@ def _vocab_parallel_class(cls: type, mixin: type) -> type:
     if (cls, mixin) not in _classes:
         _classes[(cls, mixin)] = type(f"VocabParallel{cls.__name__}", (mixin, cls), {})
     return _classes[(cls, mixin)]
-
-
-def is_vocab_parallel(weight: torch.Tensor) -> bool:
-    return isinstance(weight, DTensor)
 
 
 class VocabParallelEmbedding:

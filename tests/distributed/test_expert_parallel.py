@@ -102,6 +102,8 @@ def test_ep_size_must_be_a_positive_int(ep_size):
         ({"ep_dispatch": "allgather", "ep_capacity_factor": 2.0}, "takes neither ep_capacity_factor"),
         ({"dense_parallel": "ddp"}, "dense_parallel must be one of"),
         ({"dense_parallel": "replicate", "replicate_max_ctas": 0}, "replicate_max_ctas must be a positive int"),
+        ({"vocab_parallel": True}, r"vocab_parallel=True splits the embedding and LM head of dense_parallel='replicate'"),
+        ({"dense_parallel": "replicate", "vocab_parallel": "yes"}, "vocab_parallel must be True or False"),
     ],
 )
 def test_ep_overlap_chunks_is_checked(options, match):
