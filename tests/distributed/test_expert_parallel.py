@@ -55,6 +55,28 @@ def test_four_processes(checkpoint, two_experts_checkpoint, tmp_path):
     spawn(workers.four_process_suite, 4, checkpoint, two_experts_checkpoint, str(tmp_path))
 
 
+def test_other_architectures(tmp_path):
+    """DeepSeek-V3 (MLA, shared expert, group-limited sigmoid router), GPT-OSS (expert biases, clamped
+    SwiGLU, attention sinks) and Nemotron-H (Mamba-2 and attention layers, ungated experts): one
+    step at ep=2 equals one process, with the all-to-all dispatcher + FSDP2 and with the all-gather
+    dispatcher + replicated parameters + vocab_parallel (no aux loss: it is rank-local under EP)."""
+    from tests.conftest import seeded_reference
+    from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
+    from tests.test_gpt_oss_parity import tiny_gpt_oss_config
+    from tests.test_nemotron_h_parity import tiny_nemotron_h_config
+
+    folders = []
+    for name, model_cls, config, randomized in (
+        ("deepseek_v3", transformers.DeepseekV3ForCausalLM, tiny_deepseek_v3_config, ("e_score_correction_bias",)),
+        ("gpt_oss", transformers.GptOssForCausalLM, tiny_gpt_oss_config, ()),
+        ("nemotron_h", transformers.NemotronHForCausalLM, tiny_nemotron_h_config, ("e_score_correction_bias",)),
+    ):
+        reference = seeded_reference(model_cls, config(vocab_size=64, output_router_logits=False), randomized_suffixes=randomized)
+        reference.save_pretrained(tmp_path / name)
+        folders.append((name, str(tmp_path / name)))
+    spawn(workers.other_architectures, 2, folders)
+
+
 def test_vocab_parallel(checkpoint, tmp_path):
     """vocab_parallel=True (embedding and LM head split by vocabulary rows over the ranks) equals one process."""
     folders = []

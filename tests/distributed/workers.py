@@ -556,6 +556,13 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
     pipelined_parity(rank, world_size, folder, ep=2, chunks=(3,))  # experts FSDP2-sharded over dp 2: called per chunk
 
 
+def other_architectures(rank: int, world_size: int, folders: list[tuple[str, str]]) -> None:
+    for name, folder in folders:
+        one_step_parity(rank, world_size, folder, what=f"{name}, ep=2", ep_size=2)
+        one_step_parity(rank, world_size, folder, what=f"{name}, ep=2, all-gather + replicate + vocab_parallel",
+                        ep_size=2, **ALLGATHER_REPLICATE, vocab_parallel=True)  # fmt: skip
+
+
 def bad_inputs(rank: int, world_size: int, folder: str) -> None:
     """Each mistake is a ValueError raised before any parameter is allocated."""
     import pytest
