@@ -72,6 +72,12 @@ class MoetuneOptions:
     updates and keeps AdamW states for 1 / world of them, and the LM head's dense gradient is never
     all-reduced; the step's hidden states travel instead (``moetune.distributed.vocab_parallel``)."""
 
+    global_aux_loss: bool = False
+    """With ``ep_size`` / ``device_mesh``: the MoE load-balancing loss over all ranks' tokens, as one
+    process on the whole batch computes it (the router's tokens and probabilities summed over the
+    ranks, the probabilities with autograd), instead of each rank's own tokens as Transformers under
+    DDP computes it. Only matters when the aux loss is on (``output_router_logits``)."""
+
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
             raise ValueError(f"ep_size must be a positive int (or None), got {self.ep_size!r}")
@@ -86,6 +92,8 @@ class MoetuneOptions:
         if self.dense_parallel not in DENSE_PARALLEL:
             raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {self.dense_parallel!r}")
         check_vocab_parallel_option(self.vocab_parallel, dense_parallel=self.dense_parallel)
+        if not isinstance(self.global_aux_loss, bool):
+            raise ValueError(f"global_aux_loss must be True or False, got {self.global_aux_loss!r}")
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> MoetuneOptions:

@@ -410,6 +410,8 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
     elif config.dense_parallel == "fsdp":
         model.resize_token_embeddings = _refuse_resize
     model.parallel_mesh = mesh
+    if getattr(options, "global_aux_loss", False):
+        model.aux_loss_group = mesh.world.get_group()  # read by the causal-LM forward's aux loss
     return model
 
 

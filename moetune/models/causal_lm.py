@@ -248,6 +248,7 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
                 num_experts=self.config.num_experts,
                 top_k=self.config.num_experts_per_tok,
                 attention_mask=token_mask,
+                group=getattr(self, "aux_loss_group", None),  # global_aux_loss=True: all ranks' tokens
             )
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)

@@ -39,10 +39,15 @@ def load_balancing_loss(
     num_experts: int,
     top_k: int,
     attention_mask: torch.Tensor | None = None,
+    group=None,
 ) -> torch.Tensor:
     """E * sum_e(fraction of assignments to e * mean router probability of e), over all layers.
 
-    Equal to Transformers' ``load_balancing_loss_func``; padding tokens (mask 0) are excluded.
+    Equal to Transformers' ``load_balancing_loss_func``; padding tokens (mask 0) are excluded. With a
+    process ``group`` (``global_aux_loss=True``) the counts and probability sums are summed over its
+    ranks first, so every rank gets the loss of all the group's tokens, as one process on the whole
+    batch would; the sum of probabilities is all-reduced with autograd, so each rank's router
+    gradient, averaged over the ranks like every gradient, is the whole batch's.
     """
     device = router_logits[0].device
     assigned_E = torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -58,4 +63,12 @@ def load_balancing_loss(
         assigned_E = assigned_E.scatter_add(0, experts_TK.reshape(-1), mask_T.repeat_interleave(top_k))
         prob_sum_E = prob_sum_E + (probs_TE * mask_T.unsqueeze(-1)).sum(dim=0)
         rows = rows + mask_T.sum()
+    if group is not None:
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
+
+        counts = torch.cat([assigned_E, rows.reshape(1)])
+        dist.all_reduce(counts, group=group)
+        assigned_E, rows = counts[:-1], counts[-1]
+        prob_sum_E = differentiable_all_reduce(prob_sum_E, group=group)
     return num_experts * torch.sum((assigned_E / rows) * (prob_sum_E / rows))

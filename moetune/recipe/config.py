@@ -184,6 +184,10 @@ class DistributedConfig:
     replicate_max_ctas: int = 16
     """With dense_parallel "replicate" on NCCL: the most CTAs of the gradient all-reduces'
     communicator (few, so they leave bandwidth to the experts' collectives); 0: NCCL's own choice."""
+    global_aux_loss: bool = False
+    """With moetune's sharding (ep_size > 1, or FSDP2 of an architecture moetune implements): the MoE
+    load-balancing loss over all processes' tokens, as one process on the whole batch, instead of
+    each process's own (Transformers under DDP)."""
     vocab_parallel: bool = False
     """With dense_parallel "replicate": split the input embedding and the LM head by vocabulary rows
     over all processes instead of replicating them (less memory and optimizer work per process; no

@@ -63,7 +63,8 @@ def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora, model
         from moetune.distributed import MESH_DIM_NAMES
 
         mesh = init_device_mesh(runtime.device.type, (runtime.world_size, 1), mesh_dim_names=MESH_DIM_NAMES)
-        return {"device_mesh": mesh, "reduce_dtype": getattr(torch, config.reduce_dtype), "lora": lora}
+        return {"device_mesh": mesh, "reduce_dtype": getattr(torch, config.reduce_dtype), "lora": lora,
+                "global_aux_loss": config.global_aux_loss}
     return {
         "ep_size": config.ep_size,
         "ep_overlap_chunks": config.ep_overlap_chunks,
@@ -72,6 +73,7 @@ def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora, model
         "replicate_max_ctas": config.replicate_max_ctas or None,
         "replicate_transport": config.replicate_transport,
         "vocab_parallel": config.vocab_parallel,
+        "global_aux_loss": config.global_aux_loss,
         "reduce_dtype": getattr(torch, config.reduce_dtype),
         "lora": lora,
     }

@@ -77,6 +77,22 @@ def test_other_architectures(tmp_path):
     spawn(workers.other_architectures, 2, folders)
 
 
+def test_global_aux_loss(tmp_path):
+    """With the aux loss on, global_aux_loss=True makes one step at ep=2 equal one process on the whole
+    batch (loss and every gradient), for Qwen3-MoE and GPT-OSS and with either dispatcher; without it
+    each rank's aux loss sees its own tokens (Transformers under DDP), and the loss differs."""
+    from tests.conftest import seeded_reference
+    from tests.test_gpt_oss_parity import tiny_gpt_oss_config
+
+    folders = []
+    for name, model_cls, config in (("qwen3_moe", transformers.Qwen3MoeForCausalLM, tiny_qwen3_moe_config),
+                                    ("gpt_oss", transformers.GptOssForCausalLM, tiny_gpt_oss_config)):  # fmt: skip
+        reference = seeded_reference(model_cls, config(vocab_size=64, output_router_logits=True, router_aux_loss_coef=0.5))
+        reference.save_pretrained(tmp_path / name)
+        folders.append((name, str(tmp_path / name)))
+    spawn(workers.global_aux_loss, 2, folders)
+
+
 def test_vocab_parallel(checkpoint, tmp_path):
     """vocab_parallel=True (embedding and LM head split by vocabulary rows over the ranks) equals one process."""
     folders = []

@@ -563,6 +563,17 @@ def other_architectures(rank: int, world_size: int, folders: list[tuple[str, str
                         ep_size=2, **ALLGATHER_REPLICATE, vocab_parallel=True)  # fmt: skip
 
 
+def global_aux_loss(rank: int, world_size: int, folders: list[tuple[str, str]]) -> None:
+    import pytest
+
+    for name, folder in folders:
+        one_step_parity(rank, world_size, folder, what=f"{name}, global aux loss", ep_size=2, global_aux_loss=True)
+        one_step_parity(rank, world_size, folder, what=f"{name}, global aux loss, all-gather + replicate",
+                        ep_size=2, global_aux_loss=True, **ALLGATHER_REPLICATE)  # fmt: skip
+        with pytest.raises(AssertionError, match="loss"):  # rank-local aux losses: not the whole batch's
+            one_step_parity(rank, world_size, folder, what=f"{name}, rank-local aux loss", ep_size=2)
+
+
 def bad_inputs(rank: int, world_size: int, folder: str) -> None:
     """Each mistake is a ValueError raised before any parameter is allocated."""
     import pytest
