@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moetune.kernels import moe_permute, swiglu
 from moetune.kernels._triton_utils import Impl
@@ -108,6 +109,14 @@ class GroupedExperts(nn.Module):
         """Output rows [N, H] for input rows sorted by expert (``x`` is [N, H]), or, with
         ``gather_order``, for the rows ``x[gather_order // gather_top_k]`` (``x`` is [T, H], N = T * K):
         see ``run_experts``."""
+        if torch.compiler.is_compiling() and isinstance(self.in_proj, DTensor):
+            # Under torch.compile, dynamo does not trace the unwrap of expert-parallel (DTensor) weights
+            # (it keeps a DTensor and fails on mixed DTensor / tensor GEMMs, torch 2.13): the experts
+            # run eagerly there (a graph break) and the rest of the layer stays compiled.
+            return _experts_eagerly(self, x, tokens_per_expert_E, gather_order=gather_order, gather_top_k=gather_top_k)
+        return self._run(x, tokens_per_expert_E, gather_order=gather_order, gather_top_k=gather_top_k)
+
+    def _run(self, x, tokens_per_expert_E, *, gather_order, gather_top_k) -> torch.Tensor:
         in_proj, down_proj = _local(self.in_proj), _local(self.down_proj)
         if self.is_transposed:  # views in the [E, out, in] layout run_experts takes
             in_proj, down_proj = in_proj.transpose(-2, -1), down_proj.transpose(-2, -1)
@@ -300,6 +309,11 @@ def _rows_mm(a, b_EKC, offsets_E, order_N, top_k: int, *, backend: str, impl: Im
         return grouped_rows_mm(a, b_EKC, offsets_E, gather_order=order_N, top_k=top_k, impl=impl)
     rows = a if order_N is None else permute_rows(a, order_N, top_k, num_valid=offsets_E[-1:], impl=impl)
     return _grouped_mm(rows, b_EKC, offs=offsets_E)
+
+
+@torch.compiler.disable
+def _experts_eagerly(experts: GroupedExperts, *args, **kwargs) -> torch.Tensor:
+    return experts._run(*args, **kwargs)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

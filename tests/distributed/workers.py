@@ -263,6 +263,7 @@ def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str,
     pipelined_dispatch(rank, world_size)
     pipelined_parity(rank, world_size, folder, ep=2, chunks=(2, 3))
     generate_parity(rank, world_size, folder)
+    compiled_layers_parity(rank, world_size, folder)
     from tests.distributed.inference_workers import generation_gathers_once
 
     generation_gathers_once(rank, world_size, folder, ep=2)
@@ -554,6 +555,23 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
     pipelined_dispatch(rank, world_size)
     pipelined_parity(rank, world_size, folder, ep=4, chunks=(3,))
     pipelined_parity(rank, world_size, folder, ep=2, chunks=(3,))  # experts FSDP2-sharded over dp 2: called per chunk
+
+
+def compiled_layers_parity(rank: int, world_size: int, folder: str) -> None:
+    """``torch.compile`` of each decoder layer of an expert-parallel model (the experts run eagerly
+    inside, a graph break: dynamo does not trace their DTensor unwrap): one step equals one process.
+    ``aot_eager`` traces with dynamo and AOTAutograd, as inductor would, without generating code."""
+    for options in ({}, ALLGATHER_REPLICATE):
+        model, ref = _load(folder, ep_size=2, **options), _load(folder)
+        for layer in model.model.layers:
+            layer.compile(backend="aot_eager")
+        loss = distributed_loss(model, 0, rank, world_size, 64)
+        loss.backward()
+        expected = reference_loss(ref, 0, world_size, 64)
+        expected.backward()
+        got = global_loss_value(loss, world_size)
+        assert abs(got - expected.item()) <= TOL * abs(expected.item()), f"compiled layers {options}: loss {got}"
+        _compare_grads(model, ref, what=f"compiled layers {options}")
 
 
 def other_architectures(rank: int, world_size: int, folders: list[tuple[str, str]]) -> None:
