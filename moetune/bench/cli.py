@@ -88,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="moetune side: relabel each layer's experts so that the expert-parallel ranks get balanced loads, "
         "counted on one calibration sequence per rank (moetune.distributed.placement; the same model function)",
     )
+    p.add_argument(
+        "--moetune-compile", action="store_true",
+        help="moetune side: torch.compile each decoder layer (inductor; the experts run eagerly inside under EP)",
+    )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
         "--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path"
@@ -217,6 +221,7 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "moetune_cuda_graph": args.moetune_cuda_graph,
             "moetune_overlap_optimizer": args.moetune_overlap_optimizer,
             "moetune_rebalance_experts": args.moetune_rebalance_experts,
+            "moetune_compile": args.moetune_compile,
             "moetune_options": _moetune_options(args),
         },
         "model_config": config.to_dict(),
@@ -323,6 +328,7 @@ def _bench_side(
             side, config, device=env.device, dtype=torch.bfloat16, seed=args.seed, world_size=env.world_size,
             balanced_gate=rows[0].routing == "balanced", options=_moetune_options(args),
             rebalance_seq_len=max(row.seq_len for row in rows) if args.moetune_rebalance_experts else None,
+            compile_layers=args.moetune_compile,
         )
     except Exception as error:  # noqa: BLE001 -- report the side as failed and keep the other one
         if env.distributed and not isinstance(error, SideUnavailable):

@@ -287,8 +287,11 @@ def build_moetune(
     round_to: torch.dtype | None = None,
     options: dict[str, Any] | None = None,
     rebalance_seq_len: int | None = None,
+    compile_layers: bool = False,
 ) -> BenchModel:
     """``options``: extra ``MoetuneOptions`` for ``from_config`` (e.g. ``ep_capacity_factor``).
+    ``compile_layers``: ``torch.compile`` each decoder layer (inductor; under expert parallelism the
+    experts run eagerly inside).
     ``rebalance_seq_len``: relabel the experts so that the expert-parallel ranks get balanced loads
     (``moetune.distributed.placement``), counted on one calibration sequence of this length per rank
     (other tokens than the measured ones)."""
@@ -320,6 +323,12 @@ def build_moetune(
         notes["expert_placement"] = _rebalance(model, config, device=device, seed=seed, seq_len=rebalance_seq_len,
                                                num_ranks=options.get("ep_size", world_size))  # fmt: skip
         set_moe_options(model, balanced_gate=balanced_gate)
+    if compile_layers:
+        from moetune.distributed.parallelize import decoder_layers
+
+        for layer in decoder_layers(model):
+            layer.compile()
+        notes["compiled"] = "each decoder layer (torch.compile, inductor)"
     notes["class"] = f"{type(model).__module__}.{type(model).__name__}"
     notes["experts_backend"] = _moetune_experts_backend(model, device, dtype)
     model.train()
@@ -361,6 +370,7 @@ def build_side(side: str, config: transformers.PretrainedConfig, **kwargs: Any) 
         kwargs.pop("balanced_gate", None)
         kwargs.pop("options", None)
         kwargs.pop("rebalance_seq_len", None)
+        kwargs.pop("compile_layers", None)
         return build_hf(config, **kwargs)
     if side == "moetune":
         return build_moetune(config, **kwargs)

@@ -66,6 +66,28 @@ def test_a_failing_side_is_reported_not_fatal(tmp_path, monkeypatch):
     assert data["rows"][0]["error"].startswith("build failed: RuntimeError: no such backend")
 
 
+def test_moetune_compile_compiles_each_decoder_layer(tmp_path, monkeypatch):
+    """--moetune-compile: every decoder layer goes through torch.compile (the eager backend here:
+    the CPU suite does not generate inductor code), and the run is recorded as compiled."""
+    import torch
+
+    compiled = []
+    real_compile = torch.nn.Module.compile
+
+    def compile_eagerly(self, *args, **kwargs):
+        compiled.append(type(self).__name__)
+        return real_compile(self, backend="eager")
+
+    monkeypatch.setattr(torch.nn.Module, "compile", compile_eagerly)
+    code = main(["--config", "tiny", "--layers", "2", "--seq-len", "16", "--steps", "1", "--warmup", "1",
+                 "--device", "cpu", "--routing", "real", "--sides", "moetune", "--moetune-compile",
+                 "--out", str(tmp_path / "r.json")])  # fmt: skip
+    assert code == 0
+    assert len(compiled) == 2 and all(name.endswith("DecoderLayer") for name in compiled), compiled
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["config"]["moetune_compile"] is True and data["rows"][0].get("error") is None
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "nemotron_h"])
 def test_bench_runs_every_moetune_family(tmp_path, family):
     """Both sides, both routings (Transformers' router patched for the balanced gate), the same
