@@ -84,14 +84,15 @@ def test_expert_parallel_two_ranks_train_resume_and_export(tmp_path):
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
 
 
-def test_lora_under_expert_parallelism_exports_a_peft_adapter_and_the_merged_model(tmp_path):
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_lora_sharded_by_moetune_exports_a_peft_adapter_and_the_merged_model(tmp_path, ep_size):
     """The PEFT adapter, and the merged model (adapters folded into the gathered shards), which
-    equals PEFT's own merge of that adapter into the base."""
+    equals PEFT's own merge of that adapter into the base: FSDP2 alone (ep_size 1) and with expert
+    parallelism (the pipelined dispatcher, distributed.ep_overlap_chunks)."""
     import peft
 
-    # With the pipelined expert-parallel dispatcher (distributed.ep_overlap_chunks).
-    run_job(tmp_path, tmp_path / "lora", "--training.steps", "2", "--distributed.ep_size", "2",
-            "--distributed.ep_overlap_chunks", "2",
+    sharding = ("--distributed.ep_size", "2", "--distributed.ep_overlap_chunks", "2") if ep_size == 2 else ()
+    run_job(tmp_path, tmp_path / "lora", "--training.steps", "2", *sharding,
             "--lora.enabled", "true", "--lora.target_experts", "true", "--lora.export_merged", "true")
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "lora/base")
     model = peft.PeftModel.from_pretrained(base, tmp_path / "lora/adapter")
