@@ -135,7 +135,7 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) ->
     # their DTensor unwrap.
     if config.dense_parallel == "fsdp":
         apply_fsdp(model, mesh, config)
-        _refuse_ddp(model)
+    _refuse_ddp(model)
     # 'replicate': nothing to shard; the gradient averaging needs the allocated parameters
     # (replicate_dense_parameters, after allocation).
     return model
@@ -227,17 +227,20 @@ def _refuse_resize_vocab_parallel(*_args, **_kwargs):
 
 def _refuse_ddp(model: nn.Module) -> None:
     """Make ``DistributedDataParallel(model)`` fail with a clear message instead of a DTensor error deep
-    inside its constructor (which reads this attribute with ``hasattr`` first). Set on the FSDP2 class
-    of the model, which only FSDP2-sharded models have; DDP over FSDP2 is never right."""
+    inside its constructor (which reads this attribute with ``hasattr`` first): a property on the
+    model's class that raises for the instances moetune sharded (``parallel_mesh``) and is absent
+    (AttributeError) for the others, so unsharded models of the same class still wrap."""
 
-    def refuse(_self):
+    def refuse(self):
+        if getattr(self, "parallel_mesh", None) is None:
+            raise AttributeError("_ddp_params_and_buffers_to_ignore")
         raise ValueError(
-            "this model is already sharded by moetune (FSDP2 + expert parallelism from ep_size / device_mesh) "
-            "and synchronises its own gradients: train it as is, without DistributedDataParallel / FSDP"
+            "this model is already sharded by moetune (expert parallelism and FSDP2 or replicated parameters, from "
+            "ep_size / device_mesh) and synchronises its own gradients: train it as is, without "
+            "DistributedDataParallel / FSDP (with Transformers' Trainer, use moetune.Trainer)"
         )
 
     cls = type(model)
-    assert isinstance(model, FSDPModule), cls
     if not isinstance(cls.__dict__.get("_ddp_params_and_buffers_to_ignore"), property):
         cls._ddp_params_and_buffers_to_ignore = property(refuse)
 

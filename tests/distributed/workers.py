@@ -642,6 +642,11 @@ def bad_inputs(rank: int, world_size: int, folder: str) -> None:
         fully_shard(model)  # FSDP2 refuses to shard a module twice
     with pytest.raises(ValueError, match="already sharded by moetune"):
         torch.nn.parallel.DistributedDataParallel(model)
+    replicated = _load(folder, ep_size=2, **ALLGATHER_REPLICATE)  # the same clear error, not a DTensor one
+    with pytest.raises(ValueError, match="already sharded by moetune"):
+        torch.nn.parallel.DistributedDataParallel(replicated)
+    # An unsharded model of the same (moetune) class still wraps in DDP.
+    torch.nn.parallel.DistributedDataParallel(_load(folder))
     # Transformers' resize fails deep inside DTensor on FSDP2-sharded embeddings: a clear error instead.
     with pytest.raises(ValueError, match="resize the vocabulary before sharding"):
         model.resize_token_embeddings(72)
