@@ -55,13 +55,16 @@ def gathered_for_inference(model: nn.Module, *, max_fraction: float = 0.5) -> It
 def gathered_bytes(modules: list[FSDPModule]) -> int:
     """Bytes the FSDP2 parameters of ``modules`` take once gathered, beyond their shards."""
     total = 0
-    for module in modules:
-        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
-        for fsdp_param in getattr(group, "fsdp_params", None) or ():
-            sharded = fsdp_param.sharded_param
-            dtype = getattr(fsdp_param, "param_dtype", None) or sharded.dtype
-            local = sharded.to_local() if hasattr(sharded, "to_local") else sharded
-            total += sharded.numel() * torch.empty((), dtype=dtype).element_size() - local.numel() * local.element_size()
+    try:  # FSDP2's internals (torch 2.9-2.13); where they differ, count as not fitting
+        for module in modules:
+            group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+            for fsdp_param in getattr(group, "fsdp_params", None) or ():
+                sharded = fsdp_param.sharded_param
+                dtype = getattr(fsdp_param, "param_dtype", None) or sharded.dtype
+                local = sharded.to_local() if hasattr(sharded, "to_local") else sharded
+                total += sharded.numel() * torch.empty((), dtype=dtype).element_size() - local.numel() * local.element_size()
+    except AttributeError:
+        return 1 << 62
     return total
 
 
