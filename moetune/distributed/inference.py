@@ -62,7 +62,7 @@ def gathered_bytes(modules: list[FSDPModule]) -> int:
                 sharded = fsdp_param.sharded_param
                 dtype = getattr(fsdp_param, "param_dtype", None) or sharded.dtype
                 local = sharded.to_local() if hasattr(sharded, "to_local") else sharded
-                total += sharded.numel() * torch.empty((), dtype=dtype).element_size() - local.numel() * local.element_size()
+                total += sharded.numel() * dtype.itemsize - local.numel() * local.element_size()
     except AttributeError:
         return 1 << 62
     return total

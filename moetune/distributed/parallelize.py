@@ -190,7 +190,7 @@ def _dense_gradient_sync(model: nn.Module, group: dist.ProcessGroup, *, transpor
     embedding = model.get_input_embeddings()
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding.weight
-    vocab_parallel = isinstance(embedding.weight, DTensor)  # averaged in its own backward (vocab_parallel.py)
+    vocab_parallel = isinstance(embedding.weight, DTensor)  # split over the ranks, not replicated (vocab_parallel.py)
     if not tied and not vocab_parallel and gather_embedding_gradients(embedding, group=group):  # averaged in its own backward
         dense = [p for p in dense if p is not embedding.weight]
     return ReplicatedGradientSync(dense, group=group, transport=transport)

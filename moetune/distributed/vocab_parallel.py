@@ -209,18 +209,6 @@ def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-_loss_shards: dict[tuple[int, int], VocabShard] = {}
-
-
-def _loss_shard(w_VH: DTensor) -> VocabShard:
-    """The head's shard, from its DTensor (the loss receives the weight, not the module)."""
-    group = w_VH.device_mesh.get_group()
-    key = (id(group), w_VH.shape[0])
-    if key not in _loss_shards:
-        _loss_shards[key] = VocabShard(group, w_VH.shape[0], what="the LM head's loss")
-    return _loss_shards[key]
-
-
 def vocab_parallel_cross_entropy(
     hidden_TH: torch.Tensor,
     weight_VH: DTensor,
@@ -232,7 +220,9 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """``linear_cross_entropy`` of a vocabulary-parallel head: this rank's loss (its tokens' losses
     summed and divided by its ``normalizer``), with every rank's tokens run through this rank's shard."""
-    shard = _loss_shard(weight_VH)
+    # From the weight itself (the loss gets the weight, not the module): a few integers per call. Its
+    # token-count check under CUDA-graph capture is the input embedding's, which sees the same tokens.
+    shard = VocabShard(weight_VH.device_mesh.get_group(), weight_VH.shape[0], what="the LM head's loss")
     w_SH = weight_VH.to_local()
     if chunk_rows is None:  # about 512 MiB of logits per chunk, as the replicated loss
         chunk_rows = max(1, (1 << 29) // (shard.max_rows * w_SH.element_size()))

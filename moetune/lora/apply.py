@@ -7,7 +7,8 @@ with `requires_grad=True`, so any optimizer, `Trainer` or FSDP wrapping works un
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 
 import torch
 from torch import nn
@@ -143,26 +144,50 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return _drop_adapters(model, merge=True, caller="merge_lora")
 
 
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: nn.Module) -> Mapping[str, torch.Tensor]:
     """``model``'s state dict with every adapter folded into its base weight and the adapters left
     out, without changing the model: what ``merge_lora(model).state_dict()`` would hold. Works where
     ``merge_lora`` cannot remove adapters (modules that FSDP2 wrapped after ``apply_lora``, e.g. the
     experts under expert parallelism over fewer ranks than the world); sharded weights stay DTensors,
-    which ``save_pretrained(..., state_dict=...)`` gathers one by one (every rank calls it)."""
+    which ``save_pretrained(..., state_dict=...)`` gathers one by one (every rank calls it). A
+    read-only mapping that folds each adapted weight when it is read, so a streaming save holds one
+    merged tensor at a time, not a second copy of every adapted weight."""
     if getattr(model, SETTINGS_ATTR, None) is None:
         raise ValueError("merged_state_dict: the model has no LoRA adapters (apply_lora first)")
-    folded: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for prefix, module in model.named_modules():
-            if is_lora_linear(module):
-                folded[_join(prefix, "weight")] = fold_delta(module.weight, linear_delta(module))
-            elif is_lora_experts(module):
-                for name in adapted_params(module):
-                    folded[_join(prefix, name)] = fold_delta(module._parameters[name], expert_delta(module, name))
-    state = {name: folded.get(name, tensor) for name, tensor in model.state_dict().items() if not is_lora_param_name(name)}
-    missing = sorted(set(folded) - set(state))
+    folds: dict[str, Callable[[], torch.Tensor]] = {}
+    for prefix, module in model.named_modules():
+        if is_lora_linear(module):
+            folds[_join(prefix, "weight")] = partial(_fold_linear, module)
+        elif is_lora_experts(module):
+            for name in adapted_params(module):
+                folds[_join(prefix, name)] = partial(_fold_experts, module, name)
+    state = {name: tensor for name, tensor in model.state_dict().items() if not is_lora_param_name(name)}
+    missing = sorted(set(folds) - set(state))
     assert not missing, f"merged_state_dict: adapted weights missing from the state dict: {missing[:3]}"
-    return state
+    return _FoldedStateDict(state, folds)
+
+
+class _FoldedStateDict(Mapping):
+    def __init__(self, state: dict[str, torch.Tensor], folds: dict[str, Callable[[], torch.Tensor]]) -> None:
+        self._state, self._folds = state, folds
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        fold = self._folds.get(name)
+        return self._state[name] if fold is None else fold()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
+def _fold_linear(module: nn.Module) -> torch.Tensor:
+    return fold_delta(module.weight, linear_delta(module))
+
+
+def _fold_experts(module: nn.Module, name: str) -> torch.Tensor:
+    return fold_delta(module._parameters[name], expert_delta(module, name))
 
 
 def _join(prefix: str, name: str) -> str:

@@ -9,7 +9,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
 from moetune.moe.routing import Routing
 
@@ -64,9 +66,6 @@ def load_balancing_loss(
         prob_sum_E = prob_sum_E + (probs_TE * mask_T.unsqueeze(-1)).sum(dim=0)
         rows = rows + mask_T.sum()
     if group is not None:
-        import torch.distributed as dist
-        from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
-
         counts = torch.cat([assigned_E, rows.reshape(1)])
         dist.all_reduce(counts, group=group)
         assigned_E, rows = counts[:-1], counts[-1]

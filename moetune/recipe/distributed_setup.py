@@ -55,6 +55,7 @@ def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora, model
     ``wrap_model`` wraps after loading."""
     if not runtime.distributed:
         return None
+    common = {"reduce_dtype": getattr(torch, config.reduce_dtype), "lora": lora, "global_aux_loss": config.global_aux_loss}
     if config.ep_size == 1:
         if config.parallelism != "fsdp" or model_config is None or family_for(model_config) is None:
             return None
@@ -63,9 +64,9 @@ def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora, model
         from moetune.distributed import MESH_DIM_NAMES
 
         mesh = init_device_mesh(runtime.device.type, (runtime.world_size, 1), mesh_dim_names=MESH_DIM_NAMES)
-        return {"device_mesh": mesh, "reduce_dtype": getattr(torch, config.reduce_dtype), "lora": lora,
-                "global_aux_loss": config.global_aux_loss}
+        return {"device_mesh": mesh, **common}
     return {
+        **common,
         "ep_size": config.ep_size,
         "ep_overlap_chunks": config.ep_overlap_chunks,
         "ep_dispatch": config.ep_dispatch,
@@ -73,9 +74,6 @@ def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora, model
         "replicate_max_ctas": config.replicate_max_ctas or None,
         "replicate_transport": config.replicate_transport,
         "vocab_parallel": config.vocab_parallel,
-        "global_aux_loss": config.global_aux_loss,
-        "reduce_dtype": getattr(torch, config.reduce_dtype),
-        "lora": lora,
     }
 
 
