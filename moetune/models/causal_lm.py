@@ -23,6 +23,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 
 from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout, save_hf_checkpoint
 from moetune.layers import linear_cross_entropy, shift_labels_for_causal_lm
+from moetune.layers.document_attention import OFFSETS_KEY
 from moetune.moe import (
     ROUTERS,
     GroupedExperts,
@@ -77,7 +78,14 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
     the default position ids for packed sequences, which reads a device value on the host every
     forward (a synchronisation) and, inside a CUDA-graph capture where it cannot read it,
     materialises a [S, S] mask that makes cuDNN attention ~3x slower.
+
+    Packed documents take the same loop when the model's attention takes their offsets
+    (``takes_document_offsets``) and the caller passes them (``cu_seq_lens_q`` with the
+    documents' ``position_ids``; ``moetune.layers.document_attention``): no mask is built either.
     """
+
+    takes_document_offsets: bool = False
+    """Whether every layer's attention honours ``cu_seq_lens_q`` (the documents of packed rows)."""
 
     def _init_decoder_backbone(self, config, *, pretrained_cls: type, layer_cls: type, norm_cls: type, rotary_cls: type) -> None:
         """Transformers' decoder-only ``XModel.__init__`` up to ``post_init`` (left to the caller):
@@ -106,13 +114,15 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
         if args or not self._is_plain_causal(kwargs):
             return super().forward(*args, **kwargs)
         input_ids, inputs_embeds = kwargs.pop("input_ids", None), kwargs.pop("inputs_embeds", None)
-        for name in ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "return_dict"):
+        position_ids = kwargs.pop("position_ids", None)  # only with document offsets (packed rows)
+        for name in ("attention_mask", "cache", "past_key_values", "use_cache", "return_dict"):
             kwargs.pop(name, None)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+        if position_ids is None:
+            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         hidden = inputs_embeds
         for layer in self.layers[: self.config.num_hidden_layers]:
@@ -122,13 +132,23 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden))
 
+    def _has_document_offsets(self, kwargs: dict) -> bool:
+        if kwargs.get(OFFSETS_KEY) is None or not self.takes_document_offsets:
+            return False
+        position_ids, offsets_N = kwargs["position_ids"], kwargs[OFFSETS_KEY]
+        if not isinstance(offsets_N, torch.Tensor) or offsets_N.dim() != 1:
+            raise ValueError(f"{OFFSETS_KEY} must be a 1-D tensor of document offsets into the flattened batch")
+        if position_ids.dim() != 2:
+            raise ValueError(f"with {OFFSETS_KEY}, position_ids must be [batch, seq], got {tuple(position_ids.shape)}")
+        return True
+
     def _is_plain_causal(self, kwargs: dict) -> bool:
         config = self.config
         return (
             config._attn_implementation in _IS_CAUSAL_WITHOUT_MASK
             and getattr(config, "sliding_window", None) is None
             and kwargs.get("attention_mask") is None
-            and kwargs.get("position_ids") is None
+            and (kwargs.get("position_ids") is None or self._has_document_offsets(kwargs))
             and kwargs.get("cache") is None
             and kwargs.get("past_key_values") is None
             and not kwargs.get("use_cache", getattr(config, "use_cache", False))

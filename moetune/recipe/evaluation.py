@@ -30,7 +30,8 @@ def build_eval_set(conversations: list[list[dict[str, str]]], tokenizer: PreTrai
 
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, batches: list[Batch], *, runtime: Runtime,
-                    autocast: Callable[[], contextlib.AbstractContextManager]) -> float | None:
+                    autocast: Callable[[], contextlib.AbstractContextManager],
+                    document_offsets: bool = False) -> float | None:
     """Mean loss per answer token over all validation batches of all ranks."""
     was_training = model.training
     model.eval()
@@ -38,7 +39,8 @@ def validation_loss(model: torch.nn.Module, batches: list[Batch], *, runtime: Ru
     for batch in batches:  # every rank runs as many (see fixed_batches), labelled or not
         with autocast():
             # num_items_in_batch=1 turns the mean into a sum, so batches weigh by their tokens.
-            out = model(**batch.model_inputs(runtime.device), num_items_in_batch=1, output_router_logits=False)
+            out = model(**batch.model_inputs(runtime.device, document_offsets=document_offsets), num_items_in_batch=1,
+                        output_router_logits=False)
         if batch.num_label_tokens:
             total += float(out.loss)
             count += batch.num_label_tokens

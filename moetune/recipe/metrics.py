@@ -73,8 +73,10 @@ class ExpertLoad:
         chosen_per_layer = self._chosen or [logits_TE.topk(self.top_k, dim=-1).indices for logits_TE in router_logits or ()]
         self._chosen = []
         for layer, experts_TK in enumerate(chosen_per_layer):
-            chosen = experts_TK[real_T.to(experts_TK.device)]
-            self.counts_LE[layer] += torch.bincount(chosen.flatten(), minlength=self.num_experts)
+            # Weighted adds, not a masked selection + bincount: no data-dependent shape, so no host
+            # synchronisation, and the count can run inside a CUDA-graph step.
+            real_TK = real_T.to(experts_TK.device).unsqueeze(-1).expand_as(experts_TK)
+            self.counts_LE[layer].index_add_(0, experts_TK.flatten().long(), real_TK.flatten().long())
 
     def as_lists(self) -> list[list[int]]:
         return self.counts_LE.tolist()

@@ -55,7 +55,9 @@ def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: t
     elif sharding:
         model = AutoModelForCausalLM.from_config(model_config, **sharding, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_config(model_config, **kwargs).to(device)
+        with torch.device(device):  # built (and randomly initialised) where it trains: no host copy
+            model = AutoModelForCausalLM.from_config(model_config, **kwargs)
+        model.to(device)
     if config.activation_checkpointing:
         enable_activation_checkpointing(model, config.activation_checkpointing_mode)
     model.train()

@@ -15,9 +15,10 @@ from moetune.recipe.config import OptimConfig
 
 
 def build_optimizer(params: list[torch.nn.Parameter], config: OptimConfig, *,
-                    device: torch.device) -> torch.optim.Optimizer:
+                    device: torch.device, capturable: bool = False) -> torch.optim.Optimizer:
     """AdamW over trainable params: moetune's kernel on CUDA (and for replicated + expert-parallel
-    parameters anywhere), torch's fused kernel on CPU."""
+    parameters anywhere), torch's fused kernel on CPU. ``capturable`` (CUDA): step counts and the
+    learning rate on the device, for a step replayed from CUDA graphs."""
     if not params:
         raise ValueError("no trainable parameters (with lora.enabled, check lora.targets)")
     decay = [p for p in params if p.ndim >= 2]
@@ -32,7 +33,8 @@ def build_optimizer(params: list[torch.nn.Parameter], config: OptimConfig, *,
         # (distributed.dense_parallel "replicate"): torch's fused / foreach kernels cannot mix them.
         from moetune.optim import AdamW
 
-        return AdamW(groups, lr=lr_at(0, config, total_steps=1), betas=tuple(config.betas), eps=config.eps)
+        return AdamW(groups, lr=lr_at(0, config, total_steps=1), betas=tuple(config.betas), eps=config.eps,
+                     capturable=capturable and device.type == "cuda")
     return torch.optim.AdamW(groups, lr=lr_at(0, config, total_steps=1), betas=tuple(config.betas),
                              eps=config.eps, fused=device.type == "cpu")
 

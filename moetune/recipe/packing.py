@@ -4,7 +4,10 @@ Packing puts several samples in one row of ``max_length`` tokens. Each sample's 
 restart at 0 and no attention mask is passed: Transformers then derives the document
 boundaries from the position_ids (``masking_utils.find_packed_sequence_indices``), which gives a
 block-diagonal causal mask with sdpa/eager (the CPU path), a document mask with
-flex_attention, and varlen kernels (cu_seqlens) with flash_attention_2/3 on GPU. The first
+flex_attention, and varlen kernels (cu_seqlens) with flash_attention_2/3 on GPU. Models whose
+attention takes the documents' offsets (moetune's Qwen3-MoE) get them too (``cu_seq_lens_q``,
+computed here on the CPU): they then build no mask, never synchronise with the host for it, and
+on GPU run the variable-length flash kernel, which skips the blocks across documents. The first
 token of each sample gets no label, so no token is ever predicted across a boundary.
 
 Letters: B = rows in a micro-batch, T = tokens per row.
@@ -18,6 +21,7 @@ from typing import Iterator
 
 import torch
 
+from moetune.layers.document_attention import document_offsets as offsets_of
 from moetune.recipe.formatting import IGNORE_INDEX, Sample
 
 
@@ -36,12 +40,28 @@ class Batch:
     """Real (non-padding) tokens."""
     num_label_tokens: int
     """Tokens that carry a loss (labels != IGNORE_INDEX after the causal shift)."""
+    document_lengths: list[list[int]] | None = None
+    """Packed batches: the length of each document of each row (samples, then the padding run)."""
 
-    def model_inputs(self, device: torch.device) -> dict[str, torch.Tensor | bool]:
-        inputs = {"input_ids": self.input_ids_BT, "labels": self.labels_BT, "position_ids": self.position_ids_BT}
+    def model_inputs(self, device: torch.device, *, document_offsets: bool = False,
+                     num_offsets: int | None = None) -> dict[str, torch.Tensor | bool | int]:
+        """The model's keyword arguments. ``document_offsets`` (packed batches, models whose attention
+        takes them): also the documents' offsets (``cu_seq_lens_q``, moetune.layers.document_attention),
+        so that no mask is derived from the positions; ``num_offsets`` pads them to a fixed length and
+        bounds the longest document by the row (the fixed shapes of a CUDA-graph step)."""
+        inputs: dict[str, torch.Tensor] = {
+            "input_ids": self.input_ids_BT, "labels": self.labels_BT, "position_ids": self.position_ids_BT,
+        }
         if self.attention_mask_BT is not None:
             inputs["attention_mask"] = self.attention_mask_BT
-        moved: dict[str, torch.Tensor | bool] = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+        if document_offsets and self.document_lengths is not None:
+            width = self.input_ids_BT.shape[1]
+            inputs["cu_seq_lens_q"] = inputs["cu_seq_lens_k"] = offsets_of(
+                self.document_lengths, row_length=width, num_offsets=num_offsets)
+        moved: dict[str, torch.Tensor | bool | int] = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+        if "cu_seq_lens_q" in moved:
+            longest = width if num_offsets is not None else max(max(row) for row in self.document_lengths)
+            moved["max_length_q"] = moved["max_length_k"] = longest
         # Transformers derives the packed-document mask from position_ids only without a KV
         # cache; with one (use_cache defaults to True, even in training) attention would silently
         # cross the sample boundaries.
@@ -71,7 +91,7 @@ def collate(rows: list[list[Sample]], *, pad_id: int, max_length: int, packed: b
     """Rows of samples -> a Batch. Packed rows are padded to ``max_length`` (fixed shapes);
     unpacked rows hold one sample each and are padded to the longest."""
     width = max_length if packed else max(len(r[0].input_ids) for r in rows)
-    ids, labels, positions, masks = [], [], [], []
+    ids, labels, positions, masks, lengths = [], [], [], [], []
     num_tokens = num_label_tokens = 0
     for row in rows:
         row_ids, row_labels, row_pos = [], [], []
@@ -89,6 +109,7 @@ def collate(rows: list[list[Sample]], *, pad_id: int, max_length: int, packed: b
         # Padding continues as one more "document" so it never joins a real sample's attention.
         positions.append(row_pos + list(range(pad)))
         masks.append([1] * n + [0] * pad)
+        lengths.append([len(sample.input_ids) for sample in row] + ([pad] if pad else []))
     return Batch(
         input_ids_BT=torch.tensor(ids),
         labels_BT=torch.tensor(labels),
@@ -97,7 +118,15 @@ def collate(rows: list[list[Sample]], *, pad_id: int, max_length: int, packed: b
         real_BT=torch.tensor(masks, dtype=torch.bool),
         num_tokens=num_tokens,
         num_label_tokens=num_label_tokens,
+        document_lengths=lengths if packed else None,
     )
+
+
+def max_documents_per_row(samples: list[Sample], *, max_length: int) -> int:
+    """An upper bound on the documents of a packed row (the padding run counts as one): the fixed
+    number of document offsets per row of a CUDA-graph step."""
+    shortest = min((len(s.input_ids) for s in samples), default=max_length)
+    return min(max_length, max_length // max(shortest, 1) + 1)
 
 
 def split_validation(samples: list[Sample], *, fraction: float, seed: int) -> tuple[list[Sample], list[Sample]]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -19,24 +18,13 @@ from moetune.recipe.config import JobConfig
 from moetune.recipe.config_loading import save_config, to_dict
 from moetune.recipe.dataset import PreparedData, prepare_data
 from moetune.recipe.distributed_setup import (
-    Runtime, all_reduce_sum, clip_grad_norm, init_runtime, sharding_options, shutdown, wrap_model,
+    Runtime, all_reduce_sum, init_runtime, sharding_options, shutdown, wrap_model,
 )
 from moetune.recipe.interrupts import StopRequest
 from moetune.recipe.model_loading import build_model, load_model_config, load_tokenizer, model_fingerprint
-from moetune.recipe.packing import Batch, BatchStream, fixed_batches
+from moetune.recipe.packing import Batch, BatchStream, fixed_batches, max_documents_per_row
+from moetune.recipe.step import GraphedTrainStep, NonFiniteLossError, StepResult, train_step
 from moetune.training import set_learning_rate
-
-
-class NonFiniteLossError(RuntimeError):
-    """The loss or gradient norm became NaN/inf; the run stopped without saving over good checkpoints."""
-
-
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    num_tokens: int
-    """Real tokens of this step, summed over ranks."""
 
 
 @dataclass
@@ -52,52 +40,6 @@ class FinetuneResult:
     interrupted: bool = False
     exported: dict[str, str] = field(default_factory=dict)
     """Paths written at the end: "final" (Hugging Face model), "adapter" (PEFT), "plots"."""
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[Batch], *,
-               runtime: Runtime, grad_clip: float, aux_coef: float,
-               autocast: Callable[[], contextlib.AbstractContextManager],
-               expert_load: metrics.ExpertLoad | None) -> StepResult:
-    """Forward/backward over the micro-batches, clip, optimizer step. Raises NonFiniteLossError
-    (before the optimizer step) when the loss or gradients are not finite. With ``expert_load``
-    (MoE models) the router logits are requested and counted."""
-    # Normalise by the answer tokens of the whole global step, so every token weighs the same
-    # whatever micro-batch or rank it is on; DP averages gradients over ranks, hence / world_size.
-    num_label, num_tokens = all_reduce_sum(
-        [sum(b.num_label_tokens for b in micro_batches), sum(b.num_tokens for b in micro_batches)], runtime)
-    items_per_rank = max(num_label, 1.0) / runtime.world_size
-    loss_sum = torch.zeros((), device=runtime.device)
-    # DDP and dense_parallel='replicate' reduce the gradients once, in the last micro-batch's backward
-    # (DDP's no_sync must cover the forward too).
-    no_sync = getattr(model, "no_sync", None)
-    for index, batch in enumerate(micro_batches):
-        last = index == len(micro_batches) - 1
-        sync = no_sync() if no_sync is not None and not last else contextlib.nullcontext()
-        recording = expert_load.recording(model) if expert_load is not None else contextlib.nullcontext()
-        with sync:
-            with autocast(), recording:
-                out = model(**batch.model_inputs(runtime.device), num_items_in_batch=items_per_rank,
-                            output_router_logits=expert_load is not None)
-            lm_loss = out.loss
-            if getattr(out, "aux_loss", None) is not None and aux_coef:
-                # The model added aux_coef * aux per micro-batch; keep the LM part and average the aux part.
-                lm_loss = out.loss - aux_coef * out.aux_loss
-                loss = lm_loss + aux_coef * out.aux_loss / len(micro_batches)
-            else:
-                loss = lm_loss
-            loss.backward()
-        loss_sum += lm_loss.detach()
-        if expert_load is not None:
-            expert_load.add(out.router_logits, batch.real_BT.flatten())
-    grad_norm = clip_grad_norm(model, max_norm=grad_clip)
-    (loss_value,) = all_reduce_sum([float(loss_sum)], runtime)
-    loss_value /= runtime.world_size
-    if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
-        optimizer.zero_grad(set_to_none=True)
-        raise NonFiniteLossError(f"loss {loss_value}, grad norm {grad_norm}")
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss=loss_value, grad_norm=grad_norm, num_tokens=int(num_tokens))
 
 
 def autocast_for(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
@@ -166,6 +108,9 @@ class Job:
     """The base checkpoint a LoRA adapter applies to."""
     autocast: Callable[[], contextlib.AbstractContextManager]
     out_dir: Path
+    num_offsets: int | None = None
+    """Packed rows into a model whose attention takes document offsets: how many offsets a
+    micro-batch's padded offsets hold (the fixed shape of a CUDA-graph step); else None."""
 
 
 def build_job(config: JobConfig, runtime: Runtime) -> Job:
@@ -195,7 +140,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
         runtime=runtime, tokenizer=tokenizer, model_config=model_config, data=data, model=model,
         hf_model=hf_model,
         optimizer=optim.build_optimizer([p for p in model.parameters() if p.requires_grad], config.optim,
-                                        device=runtime.device),
+                                        device=runtime.device, capturable=config.training.cuda_graph),
         stream=BatchStream(data.train, seed=config.training.seed, **batching),
         val_batches=fixed_batches(data.val, **batching),
         expert_load=metrics.ExpertLoad(num_layers=len(moe_layers), num_experts=_num_experts(model_config),
@@ -203,7 +148,31 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
         if moe_layers else None,
         fingerprint={**model_fingerprint(model_config), "lora": to_dict(config.lora) if config.lora.enabled else None},
         base_path=base_path, autocast=autocast_for(precision, runtime.device), out_dir=out_dir,
+        num_offsets=_num_document_offsets(hf_model, data, config),
     )
+
+
+def _num_document_offsets(hf_model: PreTrainedModel, data: PreparedData, config: JobConfig) -> int | None:
+    """Job.num_offsets; checks that a CUDA-graph step can run this model and sharding."""
+    takes_offsets = bool(getattr(getattr(hf_model, "model", None), "takes_document_offsets", False))
+    if config.training.cuda_graph:
+        if not takes_offsets:
+            raise ValueError(
+                f"config field training.cuda_graph: {type(hf_model).__name__} derives packed rows' attention masks "
+                "on the host, which a CUDA graph cannot capture; moetune's Qwen3-MoE takes the documents' offsets "
+                "instead. Set training.cuda_graph false for this model.")
+        distributed = config.distributed
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and not (
+                distributed.ep_size > 1 and distributed.ep_dispatch == "allgather"
+                and distributed.dense_parallel == "replicate"):
+            raise ValueError(
+                "config field training.cuda_graph: with several processes the step is capturable with expert "
+                "parallelism only (distributed.ep_size > 1, ep_dispatch 'allgather', dense_parallel 'replicate'); "
+                "FSDP2 and DDP manage memory or buckets from the host.")
+    if not (takes_offsets and config.data.packing):
+        return None
+    per_row = max_documents_per_row(data.train, max_length=config.data.max_length)
+    return config.training.micro_batch_size * per_row + 1
 
 
 def resume_if_asked(job: Job, config: JobConfig) -> int:
@@ -266,6 +235,10 @@ def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metri
     """Steps from ``step`` to ``training.steps``; returns (last step, interrupted by Ctrl-C)."""
     flops_per_token = training_flops_per_token(job.model_config, seq_len=config.data.max_length)
     aux_coef = float(getattr(job.model_config, "router_aux_loss_coef", 0.0) or 0.0) if job.expert_load else 0.0
+    step_options = {"runtime": job.runtime, "grad_clip": config.optim.grad_clip, "aux_coef": aux_coef,
+                    "autocast": job.autocast, "expert_load": job.expert_load}
+    graphed = GraphedTrainStep(job.model, job.optimizer, micro_batches=config.training.grad_accum_steps,
+                               num_offsets=job.num_offsets, **step_options) if config.training.cuda_graph else None
     window: list[StepResult] = []
     window_start = time.perf_counter()
     with StopRequest() as stop:
@@ -273,9 +246,11 @@ def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metri
             set_learning_rate(job.optimizer, optim.lr_at(step, config.optim, total_steps=config.training.steps))
             micro_batches = [next(job.stream) for _ in range(config.training.grad_accum_steps)]
             try:
-                result = train_step(job.model, job.optimizer, micro_batches, runtime=job.runtime,
-                                    grad_clip=config.optim.grad_clip, aux_coef=aux_coef,
-                                    autocast=job.autocast, expert_load=job.expert_load)
+                if graphed is not None:
+                    result = graphed(micro_batches)
+                else:
+                    result = train_step(job.model, job.optimizer, micro_batches, **step_options,
+                                        document_offsets=job.num_offsets is not None)
             except NonFiniteLossError as err:
                 last = checkpointing.list_checkpoints(config.training.output_dir)
                 kept = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written"
@@ -288,8 +263,9 @@ def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metri
             if step % config.metrics.log_every == 0 or step == config.training.steps:
                 record = _step_record(step, window, time.perf_counter() - window_start, job, flops_per_token, config)
                 if config.training.val_every and step % config.training.val_every == 0 and job.val_batches:
-                    record["val_loss"] = evaluation.validation_loss(job.model, job.val_batches, runtime=job.runtime,
-                                                                    autocast=job.autocast)
+                    record["val_loss"] = evaluation.validation_loss(
+                        job.model, job.val_batches, runtime=job.runtime, autocast=job.autocast,
+                        document_offsets=job.num_offsets is not None)
                     sink.message(f"step {step}: validation loss {record['val_loss']:.4f}")
                 sink.log(record)
                 sink.advance(len(window), metrics.format_postfix(record))
@@ -319,7 +295,7 @@ def finish(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.Null
     """Final validation loss and accuracy, export, plots, summary."""
     if job.val_batches:
         result.val_loss = evaluation.validation_loss(job.model, job.val_batches, runtime=job.runtime,
-                                                     autocast=job.autocast)
+                                                     autocast=job.autocast, document_offsets=job.num_offsets is not None)
     result.accuracy_after = held_out_accuracy(job, config, sink, step=result.step, label="after")
     sink.log({"step": result.step, "final": True, "val_loss": result.val_loss,
               "accuracy_before": result.accuracy_before, "accuracy_after": result.accuracy_after,

@@ -12,6 +12,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
 from moetune.kernels import RMSNorm, apply_rope
 from moetune.kernels.qk_norm_rope import qk_norm_rope
+from moetune.layers.document_attention import DOCUMENT_KEYS, OFFSETS_KEY, document_causal_attention
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.moe import GroupedExperts, MoEBlock, SoftmaxTopKRouter
 
@@ -46,7 +47,9 @@ def build_moe_block(config) -> MoEBlock:
 class Qwen3MoeAttention(hf.Qwen3MoeAttention):
     """Transformers' attention with the q/k RMSNorm and RoPE fused into one kernel each way
     (``moetune.kernels.qk_norm_rope``; about thirty elementwise ops in Transformers), applied in
-    [B, S, heads, D] layout before the single transpose for attention."""
+    [B, S, heads, D] layout before the single transpose for attention. Given packed documents'
+    offsets (``cu_seq_lens_q``, Transformers' flash-attention kwargs) and no KV cache, attention
+    stays inside each document without a mask (``moetune.layers.document_attention``)."""
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -66,9 +69,12 @@ class Qwen3MoeAttention(hf.Qwen3MoeAttention):
         cache = kwargs.pop("cache", None)
         cache = cache if cache is not None else past_key_values
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        offsets_N, max_length = kwargs.pop(OFFSETS_KEY, None), kwargs.pop("max_length_q", None)
+        for name in DOCUMENT_KEYS:
+            kwargs.pop(name, None)
         q_BSHD = self.q_proj(hidden_states).view(hidden_shape)
         k_BSHD = self.k_proj(hidden_states).view(hidden_shape)
-        v_BHSD = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        v_BSHD = self.v_proj(hidden_states).view(hidden_shape)
         cos, sin = position_embeddings
         if self._fused_norm_rope():
             q_BSHD, k_BSHD = qk_norm_rope(
@@ -76,7 +82,13 @@ class Qwen3MoeAttention(hf.Qwen3MoeAttention):
             )
         else:  # a norm replaced or hooked (adapters, user hooks): call the modules
             q_BSHD, k_BSHD = apply_rope(self.q_norm(q_BSHD), self.k_norm(k_BSHD), cos, sin, unsqueeze_dim=2)
-        q_BHSD, k_BHSD = q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2)
+        if offsets_N is not None and cache is None and self.sliding_window is None:
+            # Packed documents with known offsets (moetune.layers.document_attention): no mask, no sync.
+            out_BSHD = document_causal_attention(
+                q_BSHD, k_BSHD, v_BSHD, offsets_N, max_length=max_length or q_BSHD.shape[1], scaling=self.scaling
+            )
+            return self.o_proj(out_BSHD.reshape(*hidden_states.shape[:-1], -1)), None
+        q_BHSD, k_BHSD, v_BHSD = q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2)
         if cache is not None:
             k_BHSD, v_BHSD = cache.update(k_BHSD, v_BHSD, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, hf.eager_attention_forward)
@@ -108,6 +120,7 @@ class Qwen3MoeDecoderLayer(hf.Qwen3MoeDecoderLayer):
 
 
 class Qwen3MoeModel(MoetuneBaseModelMixin, hf.Qwen3MoeModel):
+    takes_document_offsets = True
     def __init__(self, config) -> None:
         self._init_decoder_backbone(
             config,

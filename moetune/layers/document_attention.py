@@ -1,0 +1,133 @@
+"""Causal attention within each document of packed rows, given the documents' offsets.
+
+Packed training rows hold several documents; a token attends only to the earlier tokens of its own
+document. Transformers finds the boundaries from ``position_ids`` on every forward, which reads a
+device value on the host (a synchronisation that a CUDA-graph capture cannot do) and, with SDPA,
+builds an [S, S] mask that drops the fast attention kernels. Callers that know the boundaries
+pass them instead, as Transformers' flash-attention path takes them (``FlashAttentionKwargs``,
+e.g. from ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``): ``cu_seq_lens_q`` holds
+the document offsets into the batch's flattened B x S tokens (int32, starting at 0, ending at
+B x S, documents never crossing a row) and ``max_length_q`` the longest document (an upper bound
+is fine). Trailing repeats of the last offset are empty documents, so a CUDA-graph step can pad
+the offsets to one fixed length.
+
+On CUDA in bf16/fp16 the attention runs torch's variable-length flash kernel
+(``torch.nn.attention.varlen``, torch >= 2.10), which skips the blocks across documents;
+elsewhere SDPA with the block-diagonal causal mask built on the device from the offsets (no host
+synchronisation either).
+
+Letters: B = rows, S = tokens per row, T = B x S tokens, H = query heads, K = key/value heads,
+D = head dim, N = documents + 1 offsets.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+OFFSETS_KEY = "cu_seq_lens_q"
+"""The keyword under which Transformers' flash-attention kwargs carry the document offsets."""
+DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def document_offsets(lengths_per_row: list[list[int]], *, row_length: int, num_offsets: int | None = None) -> torch.Tensor:
+    """The int32 offsets of documents with these lengths (each row's lengths sum to ``row_length``),
+    padded with the total to ``num_offsets`` entries when given (a fixed shape for CUDA graphs)."""
+    offsets = [0]
+    for row, lengths in enumerate(lengths_per_row):
+        if sum(lengths) != row_length or any(n <= 0 for n in lengths):
+            raise ValueError(f"document lengths of row {row} must be positive and sum to {row_length}, got {lengths}")
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+    if num_offsets is not None:
+        if num_offsets < len(offsets):
+            raise ValueError(f"{len(offsets) - 1} documents do not fit in {num_offsets} offsets")
+        offsets += [offsets[-1]] * (num_offsets - len(offsets))
+    return torch.tensor(offsets, dtype=torch.int32)
+
+
+def document_causal_attention(
+    q_BSHD: torch.Tensor,
+    k_BSKD: torch.Tensor,
+    v_BSKD: torch.Tensor,
+    offsets_N: torch.Tensor,
+    *,
+    max_length: int,
+    scaling: float,
+) -> torch.Tensor:
+    """Causal attention inside each document; returns [B, S, H, D]. ``offsets_N`` as described above."""
+    B, S, H, D = q_BSHD.shape
+    K = k_BSKD.shape[2]
+    if H % K:
+        raise ValueError(f"document attention: {H} query heads are not a multiple of {K} key/value heads")
+    if offsets_N.dim() != 1 or offsets_N.numel() < 2:
+        raise ValueError(f"document attention: cu_seq_lens_q must be 1-D with >= 2 offsets, got {tuple(offsets_N.shape)}")
+    varlen = _varlen_kernel() if _varlen_applies(q_BSHD) else None
+    if varlen is not None:
+        offsets_N = offsets_N.to(device=q_BSHD.device, dtype=torch.int32)
+        out_THD = varlen(
+            q_BSHD.reshape(B * S, H, D), k_BSKD.reshape(B * S, K, D), v_BSKD.reshape(B * S, K, D),
+            offsets_N, max(1, min(int(max_length), S)), scaling,
+        )  # fmt: skip
+        return out_THD.view(B, S, H, D)
+    return _masked_sdpa(q_BSHD, k_BSKD, v_BSKD, offsets_N, scaling=scaling)
+
+
+def _masked_sdpa(q_BSHD, k_BSKD, v_BSKD, offsets_N, *, scaling: float) -> torch.Tensor:
+    B, S, H, _ = q_BSHD.shape
+    K = k_BSKD.shape[2]
+    mask_B1SS = document_causal_mask(offsets_N.to(q_BSHD.device), batch=B, seq_len=S)
+    k_BKSD, v_BKSD = k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2)
+    if K != H:  # SDPA's enable_gqa needs torch >= 2.5 and not every backend takes it: expand
+        k_BKSD = k_BKSD.repeat_interleave(H // K, dim=1)
+        v_BKSD = v_BKSD.repeat_interleave(H // K, dim=1)
+    out_BHSD = F.scaled_dot_product_attention(q_BSHD.transpose(1, 2), k_BKSD, v_BKSD, attn_mask=mask_B1SS, scale=scaling)
+    return out_BHSD.transpose(1, 2)
+
+
+def document_causal_mask(offsets_N: torch.Tensor, *, batch: int, seq_len: int) -> torch.Tensor:
+    """[B, 1, S, S] bool: query i sees key j of its row when both are in one document and j <= i."""
+    positions_T = torch.arange(batch * seq_len, device=offsets_N.device, dtype=offsets_N.dtype)
+    # The document of each token: how many offsets after the first are <= its position.
+    document_BS = torch.searchsorted(offsets_N[1:].contiguous(), positions_T, right=True).view(batch, seq_len)
+    same_BSS = document_BS[:, :, None] == document_BS[:, None, :]
+    causal_SS = torch.ones(seq_len, seq_len, dtype=torch.bool, device=offsets_N.device).tril()
+    return (same_BSS & causal_SS).unsqueeze(1)
+
+
+def _varlen_applies(q: torch.Tensor) -> bool:
+    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+
+
+@functools.cache
+def _varlen_kernel():
+    """``fn(q_THD, k_TKD, v_TKD, offsets, max_length, scale) -> out_THD`` over torch's varlen flash
+    attention, whatever its keyword set in this torch version (2.10: ``is_causal``; later:
+    ``window_size``, ``scale``, ``enable_gqa``); None when torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    has_scale, has_gqa = "scale" in params, "enable_gqa" in params
+
+    def run(q_THD, k_TKD, v_TKD, offsets_N, max_length, scale):
+        extra = dict(causal)
+        if has_scale:
+            extra["scale"] = scale
+        elif abs(scale - q_THD.shape[-1] ** -0.5) > 1e-12 * scale:
+            raise ValueError("document attention: this torch's varlen attention has no scale argument; "
+                             "upgrade torch (>= 2.11) for a non-default attention scale")
+        if k_TKD.shape[1] != q_THD.shape[1]:
+            if has_gqa:
+                extra["enable_gqa"] = True
+            else:
+                groups = q_THD.shape[1] // k_TKD.shape[1]
+                k_TKD, v_TKD = k_TKD.repeat_interleave(groups, dim=1), v_TKD.repeat_interleave(groups, dim=1)
+        return varlen_attn(q_THD, k_TKD, v_TKD, offsets_N, offsets_N, max_length, max_length, **extra)
+
+    return run

@@ -1,0 +1,69 @@
+"""training.cuda_graph and the packed documents' offsets: the graphed step's code computes what the
+eager step computes (on CPU both run eagerly; the H200 replay is checked by
+tests/test_gpu_losses.py), the offsets describe the packed rows, and what cannot be captured is
+refused with the field's name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moetune.recipe.config_loading import load_config
+from moetune.recipe.formatting import IGNORE_INDEX, Sample
+from moetune.recipe.packing import collate, max_documents_per_row
+from moetune.recipe.train import finetune
+
+
+def _final_record(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()][-1]
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_graphed_step_equals_the_eager_step(tiny_job, tmp_path, accum, monkeypatch):
+    from moetune.recipe.step import GraphedTrainStep
+
+    calls = []
+    real_call = GraphedTrainStep.__call__
+    monkeypatch.setattr(GraphedTrainStep, "__call__", lambda self, batches: calls.append(1) or real_call(self, batches))
+    options = {"training__steps": 4, "training__grad_accum_steps": accum, "training__micro_batch_size": 2 // accum}
+    eager = finetune(tiny_job(tmp_path / "eager", **options))
+    assert not calls
+    graphed = finetune(tiny_job(tmp_path / "graphed", training__cuda_graph="true", **options))
+    assert len(calls) == 4
+    assert graphed.losses == pytest.approx(eager.losses, rel=1e-6)
+    assert graphed.val_loss == pytest.approx(eager.val_loss, rel=1e-6)
+    assert _final_record(tmp_path / "graphed")["expert_tokens"] == _final_record(tmp_path / "eager")["expert_tokens"]
+
+
+def _samples(*lengths: int) -> list[Sample]:
+    return [Sample(input_ids=list(range(3, 3 + n)), labels=list(range(3, 3 + n))) for n in lengths]
+
+
+def test_packed_batches_carry_their_documents_offsets():
+    batch = collate([_samples(3, 4), _samples(8)], pad_id=0, max_length=8, packed=True)
+    assert batch.document_lengths == [[3, 4, 1], [8]]
+    exact = batch.model_inputs(torch.device("cpu"), document_offsets=True)
+    assert exact["cu_seq_lens_q"].tolist() == [0, 3, 7, 8, 16] and exact["max_length_q"] == 8
+    padded = batch.model_inputs(torch.device("cpu"), document_offsets=True, num_offsets=7)
+    assert padded["cu_seq_lens_q"].tolist() == [0, 3, 7, 8, 16, 16, 16] and padded["max_length_q"] == 8
+    assert "cu_seq_lens_q" not in batch.model_inputs(torch.device("cpu"))
+    unpacked = collate([_samples(3)], pad_id=0, max_length=8, packed=False)
+    assert "cu_seq_lens_q" not in unpacked.model_inputs(torch.device("cpu"), document_offsets=True)
+    # Each row holds at most max_length // shortest samples, plus the padding run.
+    assert max_documents_per_row(_samples(5, 2, 9), max_length=8) == 5
+    assert max_documents_per_row([Sample(input_ids=[1], labels=[IGNORE_INDEX])], max_length=8) == 8
+
+
+def test_cuda_graph_needs_packing():
+    with pytest.raises(ValueError, match="training.cuda_graph: needs data.packing"):
+        load_config(overrides=["training.cuda_graph=true", "data.packing=false"])
+
+
+def test_cuda_graph_refuses_models_that_derive_masks_on_the_host(tiny_job, tmp_path):
+    from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
+
+    tiny_deepseek_v3_config(vocab_size=309, max_position_embeddings=512).save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match="training.cuda_graph: DeepseekV3ForCausalLM derives packed rows"):
+        finetune(tiny_job(tmp_path / "out", model__config_path=tmp_path / "model", training__cuda_graph="true"))
