@@ -119,7 +119,7 @@ def test_varlen_kernel_in_bf16_equals_the_fp32_reference(heads):
 
     assert _varlen_kernel() is not None, "torch >= 2.10 has torch.nn.attention.varlen"
     H, K = heads
-    lengths = [[700, 1300, 1, 2094], [4096]]
+    lengths = [[700, 1300, 1, 2095], [4096]]
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4096, n, 128, device="cuda", requires_grad=True) for n in (H, K, K))
     expected = _reference(q, k, v, lengths, 128**-0.5)

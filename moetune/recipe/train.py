@@ -325,7 +325,7 @@ def _step_record(step: int, window: list[StepResult], elapsed: float, job: Job, 
     return {
         "step": step,
         "loss": sum(r.loss for r in window) / len(window),
-        "lr": job.optimizer.param_groups[0]["lr"],
+        "lr": float(job.optimizer.param_groups[0]["lr"]),  # a device tensor when the step is graphed
         "grad_norm": window[-1].grad_norm,
         "tokens_per_s_per_gpu": tokens_per_s_per_gpu,
         "tflops_per_gpu": tflops,
