@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -71,10 +72,17 @@ def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) 
         command += [f"--{key}", str(value)]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     start = time.time()
-    proc = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=args.timeout)
+    # Its own session, so that a timeout stops torchrun's workers too.
+    proc = subprocess.Popen(command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
     result = {"variant": name, "source": str(root), "returncode": proc.returncode, "wall_s": round(time.time() - start, 1)}
     if proc.returncode != 0:
-        result["error_tail"] = (proc.stdout + proc.stderr)[-3000:]
+        result["error_tail"] = output[-6000:]
         return result
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     windows = [r for r in records if "tokens_per_s_per_gpu" in r and r["step"] > args.skip_steps]
