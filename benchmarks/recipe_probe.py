@@ -81,6 +81,7 @@ def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) 
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
     result = {"variant": name, "source": str(root), "returncode": proc.returncode, "wall_s": round(time.time() - start, 1)}
+    (args.out / f"recipe_probe_{name}.log").write_text(output)
     if proc.returncode != 0:
         result["error_tail"] = output[-6000:]
         return result
@@ -117,6 +118,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/moetune_recipe_probe"))
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     rows = args.nproc * (args.steps + 5) * max(1, args.max_length // ((args.min_chars + args.max_chars) // 2)) * 2
     write_data(args.work / "train.jsonl", rows=rows, min_chars=args.min_chars, max_chars=args.max_chars, seed=0)
     write_model_config(args.work / "model", args.layers, args.model_config)
