@@ -79,6 +79,8 @@ def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) 
         output, _ = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
+        # torchrun starts its workers in sessions of their own: find them by their output directory.
+        subprocess.run(["pkill", "-9", "-f", str(out)], check=False)
         output, _ = proc.communicate()
     result = {"variant": name, "source": str(root), "returncode": proc.returncode, "wall_s": round(time.time() - start, 1)}
     (args.out / f"recipe_probe_{name}.log").write_text(output)

@@ -128,6 +128,14 @@ class GraphedTrainStep:
         self._graphs = CUDAGraphTrainStep(model, optimizer, warmup_steps=warmup_steps, max_grad_norm=None,
                                           loss_fn=self._loss, micro_batches=micro_batches)
 
+    def close(self) -> None:
+        """Release the graphs. Before the process group is destroyed: NCCL's teardown waits for every
+        graph that captured its collectives to be gone (an expert-parallel run hung in
+        ``destroy_process_group`` with them alive)."""
+        self._graphs.close()
+        if torch.cuda.is_available() and self.runtime.device.type == "cuda":
+            torch.cuda.synchronize(self.runtime.device)
+
     def _loss(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """Captured once per graph: everything here reads the static batch and writes static tensors."""
         inputs = {k: v for k, v in batch.items() if k not in ("num_items", "real_T")}

@@ -239,6 +239,17 @@ def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metri
                     "autocast": job.autocast, "expert_load": job.expert_load}
     graphed = GraphedTrainStep(job.model, job.optimizer, micro_batches=config.training.grad_accum_steps,
                                num_offsets=job.num_offsets, **step_options) if config.training.cuda_graph else None
+    try:
+        return _run_steps(job, config, sink, step=step, losses=losses, graphed=graphed, step_options=step_options,
+                          flops_per_token=flops_per_token)
+    finally:
+        if graphed is not None:
+            graphed.close()
+
+
+def _run_steps(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.NullSink, *, step: int,
+               losses: list[float], graphed: GraphedTrainStep | None, step_options: dict[str, Any],
+               flops_per_token: float) -> tuple[int, bool]:
     window: list[StepResult] = []
     window_start = time.perf_counter()
     with StopRequest() as stop:
