@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
@@ -52,6 +53,7 @@ def write_model_config(path: Path, layers: int, source: Path) -> None:
 
 def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) -> dict:
     out = work / name
+    shutil.rmtree(out, ignore_errors=True)  # metrics.jsonl appends: an earlier run's lines would mix in
     overrides = {
         "model.config_path": work / "model", "data.train_path": work / "train.jsonl", "data.test_path": "",
         "data.max_length": args.max_length, "data.val_fraction": 0, "training.steps": args.steps,
