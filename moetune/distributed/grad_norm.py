@@ -46,7 +46,8 @@ def total_grad_norm(parameters: Iterable[torch.Tensor] | nn.Module, *, norm_type
     for (_, ranks, shard_dims), group in _groups(grads).items():
         locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in group]
         device = locals_[0].device
-        norms = torch.stack([torch.linalg.vector_norm(t.float(), norm_type) for t in locals_])
+        norms = torch.cat([torch.stack(torch._foreach_norm(ts, norm_type, dtype=torch.float32))
+                           for ts in _by_device_and_dtype(locals_).values()])
         value = norms.max() if is_inf else norms.pow(norm_type).sum()
         if ranks is not None:
             mesh = group[0].device_mesh
@@ -71,8 +72,18 @@ def clip_grad_norm_(
     params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
     total = total_grad_norm(params, norm_type=norm_type)
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            grad.mul_(scale.to(grad.device, grad.dtype))
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    for (device, _), same in _by_device_and_dtype(grads).items():
+        torch._foreach_mul_(same, scale.to(device))
     return total
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    """Foreach kernels take one device and dtype per call. They read each gradient once, in its own
+    dtype (the norms accumulate in fp32 without an fp32 copy of the gradient), in a few launches:
+    per-tensor calls launched ~1,000 kernels for a 16-layer MoE and copied every bf16 gradient to
+    fp32 first."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for tensor in tensors:
+        groups[(tensor.device, tensor.dtype)].append(tensor)
+    return groups
