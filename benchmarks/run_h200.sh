@@ -12,7 +12,8 @@
 # Results (JSON + PNG per run, and this log) go to $OUT (default benchmarks/results).
 # STAGES picks stages (default: versions parity rowA strict 16l rowD); the others:
 #   gputests  the GPU-marked tests of the CUDA-graph step, optimizer, loss kernel, kernels, gathered
-#             experts and the DeepSeek-V3 / GPT-OSS / Nemotron-H bf16 parity
+#             experts, document attention, the graphed recipe and the DeepSeek-V3 / GPT-OSS /
+#             Nemotron-H bf16 parity
 #   graph     row A with moetune's step replayed from CUDA graphs, updates during the backward
 #             (--moetune-cuda-graph --moetune-overlap-optimizer)
 #   graphtriton  moetune alone, graphed, with experts_backend=triton (Triton row GEMMs)
@@ -65,7 +66,7 @@ if stage gputests; then
   echo "== GPU tests"
   timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph_step.py tests/test_optim.py \
     tests/test_gpu_losses.py tests/test_deepseek_v3_parity.py tests/test_gpt_oss_parity.py tests/test_nemotron_h_parity.py \
-    tests/test_gathered_experts.py tests/kernels || status=1
+    tests/test_gathered_experts.py tests/test_document_attention.py tests/recipe/test_cuda_graph_recipe.py tests/kernels || status=1
 fi
 
 if stage parity; then

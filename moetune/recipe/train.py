@@ -42,9 +42,12 @@ class FinetuneResult:
     """Paths written at the end: "final" (Hugging Face model), "adapter" (PEFT), "plots"."""
 
 
-def autocast_for(precision: str, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+def autocast_for(precision: str, device: torch.device, *,
+                 cache_enabled: bool = True) -> Callable[[], contextlib.AbstractContextManager]:
+    """``cache_enabled=False`` for CUDA-graph captures (torch's AMP notes: autocast's cache of cast
+    weights must not be used across a capture)."""
     if precision == "bf16_autocast":
-        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)
     return contextlib.nullcontext
 
 
@@ -237,8 +240,12 @@ def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metri
     aux_coef = float(getattr(job.model_config, "router_aux_loss_coef", 0.0) or 0.0) if job.expert_load else 0.0
     step_options = {"runtime": job.runtime, "grad_clip": config.optim.grad_clip, "aux_coef": aux_coef,
                     "autocast": job.autocast, "expert_load": job.expert_load}
-    graphed = GraphedTrainStep(job.model, job.optimizer, micro_batches=config.training.grad_accum_steps,
-                               num_offsets=job.num_offsets, **step_options) if config.training.cuda_graph else None
+    graphed = None
+    if config.training.cuda_graph:
+        precision = resolve_precision(config.training.precision, job.runtime.device)
+        graphed = GraphedTrainStep(job.model, job.optimizer, micro_batches=config.training.grad_accum_steps,
+                                   num_offsets=job.num_offsets, **{**step_options, "autocast": autocast_for(
+                                       precision, job.runtime.device, cache_enabled=False)})
     try:
         return _run_steps(job, config, sink, step=step, losses=losses, graphed=graphed, step_options=step_options,
                           flops_per_token=flops_per_token)

@@ -37,6 +37,14 @@ def test_graphed_step_equals_the_eager_step(tiny_job, tmp_path, accum, monkeypat
     assert _final_record(tmp_path / "graphed")["expert_tokens"] == _final_record(tmp_path / "eager")["expert_tokens"]
 
 
+def test_graphed_step_under_autocast_equals_the_eager_step(tiny_job, tmp_path):
+    """bf16 autocast (the recipe's default on GPU); the graphed step's autocast keeps no cast cache."""
+    options = {"training__steps": 3, "training__precision": "bf16_autocast"}
+    eager = finetune(tiny_job(tmp_path / "eager", **options))
+    graphed = finetune(tiny_job(tmp_path / "graphed", training__cuda_graph="true", **options))
+    assert graphed.losses == pytest.approx(eager.losses, rel=1e-6)
+
+
 def _samples(*lengths: int) -> list[Sample]:
     return [Sample(input_ids=list(range(3, 3 + n)), labels=list(range(3, 3 + n))) for n in lengths]
 
@@ -67,3 +75,49 @@ def test_cuda_graph_refuses_models_that_derive_masks_on_the_host(tiny_job, tmp_p
     tiny_deepseek_v3_config(vocab_size=309, max_position_embeddings=512).save_pretrained(tmp_path / "model")
     with pytest.raises(ValueError, match="training.cuda_graph: DeepseekV3ForCausalLM derives packed rows"):
         finetune(tiny_job(tmp_path / "out", model__config_path=tmp_path / "model", training__cuda_graph="true"))
+
+
+def test_graphed_step_resumes_exactly(tiny_job, tmp_path):
+    out = tmp_path / "resume"
+    full = finetune(tiny_job(tmp_path / "full", training__steps=6, training__cuda_graph="true"))
+    finetune(tiny_job(out, training__steps=3, checkpoint__every=3, training__cuda_graph="true"))
+    resumed = finetune(tiny_job(out, training__steps=6, checkpoint__resume="auto", training__cuda_graph="true"))
+    assert resumed.losses == full.losses[3:]
+
+
+def test_graphed_step_trains_lora_as_the_eager_step(tiny_job, tmp_path):
+    options = {"training__steps": 3, "lora__enabled": "true", "checkpoint__export_final": "false"}
+    eager = finetune(tiny_job(tmp_path / "eager", **options))
+    graphed = finetune(tiny_job(tmp_path / "graphed", training__cuda_graph="true", **options))
+    assert graphed.losses == pytest.approx(eager.losses, rel=1e-6)
+
+
+def test_graphed_step_stops_on_nan_before_the_update(tiny_job, tmp_path, monkeypatch):
+    from moetune.recipe import step as step_module
+    from moetune.recipe.train import NonFiniteLossError
+
+    real_clip = step_module.clip_grad_norm
+    calls = {"n": 0}
+
+    def poisoned_clip(model, *, max_norm):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            next(p for p in model.parameters() if p.grad is not None).grad.fill_(float("nan"))
+        return real_clip(model, max_norm=max_norm)
+
+    monkeypatch.setattr(step_module, "clip_grad_norm", poisoned_clip)
+    out = tmp_path / "nan"
+    with pytest.raises(NonFiniteLossError, match=r"step 2: loss .*grad norm nan.*last good checkpoint is .*step_00000001"):
+        finetune(tiny_job(out, training__steps=4, checkpoint__every=1, training__cuda_graph="true"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the graphs are captured and replayed)")
+def test_graphed_recipe_on_gpu_trains_as_the_eager_one(tiny_job, tmp_path):
+    """On CUDA the steps after the two eager ones replay graphs (bf16 autocast, the recipe's default
+    there): the losses, validation loss and expert counts follow the eager run's."""
+    options = {"training__steps": 6, "training__device": "cuda"}
+    eager = finetune(tiny_job(tmp_path / "eager", **options))
+    graphed = finetune(tiny_job(tmp_path / "graphed", training__cuda_graph="true", **options))
+    assert graphed.losses == pytest.approx(eager.losses, rel=1e-3)
+    assert graphed.val_loss == pytest.approx(eager.val_loss, rel=1e-3)
