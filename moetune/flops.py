@@ -26,19 +26,35 @@ _ROUTER_NAMES = ("gate", "router")
 def training_flops_per_token(model_or_config: nn.Module | Any, *, seq_len: int) -> float:
     """Forward + backward FLOPs per token at sequence length ``seq_len`` (a config is built on the
     meta device first: no memory)."""
-    model = model_or_config if isinstance(model_or_config, nn.Module) else meta_model(model_or_config)
-    config = model.config
-    top_k = getattr(config, "num_experts_per_tok", 1) or 1
-    forward = 0.0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in _ROUTER_NAMES:
-            forward += 2 * module.in_features * module.out_features
-        stacked = [p for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and "lora" not in n]
-        if stacked:
-            forward += top_k * 2 * sum(p[0].numel() for p in stacked)
-        if _is_attention(module):
-            forward += _attention_scores(module, config, seq_len)
-    return 3.0 * forward
+    return FlopsCounter(model_or_config).per_token(seq_len)
+
+
+class FlopsCounter:
+    """The model's modules read once; then FLOPs for any sequence length or set of documents."""
+
+    def __init__(self, model_or_config: nn.Module | Any) -> None:
+        model = model_or_config if isinstance(model_or_config, nn.Module) else meta_model(model_or_config)
+        self.config = model.config
+        top_k = getattr(self.config, "num_experts_per_tok", 1) or 1
+        self.weights_forward = 0.0
+        self.attention_modules: list[nn.Module] = []
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in _ROUTER_NAMES:
+                self.weights_forward += 2 * module.in_features * module.out_features
+            stacked = [p for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and "lora" not in n]
+            if stacked:
+                self.weights_forward += top_k * 2 * sum(p[0].numel() for p in stacked)
+            if _is_attention(module):
+                self.attention_modules.append(module)
+
+    def per_token(self, seq_len: int) -> float:
+        attention = sum(_attention_scores(module, self.config, seq_len) for module in self.attention_modules)
+        return 3.0 * (self.weights_forward + attention)
+
+    def of_documents(self, lengths: list[int]) -> float:
+        """Training FLOPs of packed documents whose tokens attend only within their own document
+        (each document counted at its own length, as the varlen attention kernels compute it)."""
+        return sum(n * self.per_token(n) for n in lengths if n > 0)
 
 
 def meta_model(config: Any) -> nn.Module:

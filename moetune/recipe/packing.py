@@ -16,7 +16,7 @@ Letters: B = rows in a micro-batch, T = tokens per row.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -42,6 +42,8 @@ class Batch:
     """Tokens that carry a loss (labels != IGNORE_INDEX after the causal shift)."""
     document_lengths: list[list[int]] | None = None
     """Packed batches: the length of each document of each row (samples, then the padding run)."""
+    sample_lengths: list[int] = field(default_factory=list)
+    """The length of every sample in the batch (no padding): attention FLOPs count each at its own."""
 
     def model_inputs(self, device: torch.device, *, document_offsets: bool = False,
                      num_offsets: int | None = None) -> dict[str, torch.Tensor | bool | int]:
@@ -119,6 +121,7 @@ def collate(rows: list[list[Sample]], *, pad_id: int, max_length: int, packed: b
         num_tokens=num_tokens,
         num_label_tokens=num_label_tokens,
         document_lengths=lengths if packed else None,
+        sample_lengths=[len(sample.input_ids) for row in rows for sample in row],
     )
 
 

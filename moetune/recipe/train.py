@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
-from moetune.flops import training_flops_per_token
+from moetune.flops import FlopsCounter
 from moetune.recipe import checkpointing, evaluation, export, metrics, optim, plots
 from moetune.recipe.config import JobConfig
 from moetune.recipe.config_loading import save_config, to_dict
@@ -236,7 +236,7 @@ def held_out_accuracy(job: Job, config: JobConfig, sink: metrics.MetricsSink | m
 def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.NullSink, *, step: int,
                   losses: list[float]) -> tuple[int, bool]:
     """Steps from ``step`` to ``training.steps``; returns (last step, interrupted by Ctrl-C)."""
-    flops_per_token = training_flops_per_token(job.model_config, seq_len=config.data.max_length)
+    flops = FlopsCounter(job.model_config)
     aux_coef = float(getattr(job.model_config, "router_aux_loss_coef", 0.0) or 0.0) if job.expert_load else 0.0
     step_options = {"runtime": job.runtime, "grad_clip": config.optim.grad_clip, "aux_coef": aux_coef,
                     "autocast": job.autocast, "expert_load": job.expert_load}
@@ -248,7 +248,7 @@ def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metri
                                        precision, job.runtime.device, cache_enabled=False)})
     try:
         return _run_steps(job, config, sink, step=step, losses=losses, graphed=graphed, step_options=step_options,
-                          flops_per_token=flops_per_token)
+                          flops=flops)
     finally:
         if graphed is not None:
             graphed.close()
@@ -256,8 +256,9 @@ def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metri
 
 def _run_steps(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.NullSink, *, step: int,
                losses: list[float], graphed: GraphedTrainStep | None, step_options: dict[str, Any],
-               flops_per_token: float) -> tuple[int, bool]:
+               flops: FlopsCounter) -> tuple[int, bool]:
     window: list[StepResult] = []
+    window_flops = window_tokens = 0.0  # this rank's own documents: FLOPs per real token of the window
     window_start = time.perf_counter()
     with StopRequest() as stop:
         while step < config.training.steps:
@@ -277,9 +278,12 @@ def _run_steps(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.
             step += 1
             losses.append(result.loss)
             window.append(result)
+            window_flops += flops.of_documents([n for batch in micro_batches for n in batch.sample_lengths])
+            window_tokens += sum(batch.num_tokens for batch in micro_batches)
 
             if step % config.metrics.log_every == 0 or step == config.training.steps:
-                record = _step_record(step, window, time.perf_counter() - window_start, job, flops_per_token, config)
+                record = _step_record(step, window, time.perf_counter() - window_start, job,
+                                      window_flops / max(window_tokens, 1.0), config)
                 if config.training.val_every and step % config.training.val_every == 0 and job.val_batches:
                     record["val_loss"] = evaluation.validation_loss(
                         job.model, job.val_batches, runtime=job.runtime, autocast=job.autocast,
@@ -288,6 +292,7 @@ def _run_steps(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.
                 sink.log(record)
                 sink.advance(len(window), metrics.format_postfix(record))
                 window, window_start = [], time.perf_counter()
+                window_flops = window_tokens = 0.0
 
             # Every rank must agree to stop at the same step (saving is collective).
             stopping = all_reduce_sum([float(stop.requested)], job.runtime)[0] > 0

@@ -50,3 +50,16 @@ def test_other_families_count_their_own_shapes():
     scores_per_full_layer = 2 * 2048 * 64 * (64 + 64)  # keys S/2, heads, qk + v dims
     saved = training_flops_per_token(full, seq_len=4096) - training_flops_per_token(gpt_oss, seq_len=4096)
     assert saved == pytest.approx(3 * (scores_per_full_layer - 2 * (128 - 128 * 127 / 8192) * 64 * 128))
+
+
+def test_packed_documents_count_attention_at_their_own_length():
+    from moetune.flops import FlopsCounter
+
+    _, config = load_config("qwen3_30b_a3b", layers=8)
+    counter = FlopsCounter(config)
+    h, q, kv = 2048, 32 * 128, 4 * 128
+    weights = 3 * (8 * (2 * h * (q + 2 * kv + q) + 8 * 3 * 2 * h * 768) + 2 * h * 151936)
+    attention_per_key = 3 * 8 * 2 * q  # per token per key position seen (S / 2 keys on average)
+    assert counter.of_documents([1000, 3096]) == sum(n * (weights + attention_per_key * n) for n in (1000, 3096))
+    assert counter.of_documents([1000, 3096]) < 4096 * counter.per_token(4096)  # no attention across documents
+    assert counter.of_documents([4096]) == 4096 * flops_per_token(config, seq_len=4096)

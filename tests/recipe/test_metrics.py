@@ -78,3 +78,22 @@ def test_plots_are_skipped_with_a_note_without_matplotlib(tmp_path, monkeypatch,
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert write_plots(tmp_path, moe_layer_ids=[0]) is None
     assert "matplotlib is not installed" in capsys.readouterr().err
+
+
+def test_logged_tflops_count_each_packed_sample_at_its_own_length(tiny_job, tmp_path):
+    """The recipe's TFLOP/s (and MFU) divide real FLOPs by time: attention of packed samples at their
+    own lengths, not at data.max_length."""
+    import json
+
+    from moetune.flops import FlopsCounter
+    from moetune.recipe.config import DEFAULT_ASSETS
+    from moetune.recipe.train import finetune
+    from transformers import AutoConfig
+
+    out = tmp_path / "out"
+    finetune(tiny_job(out, training__steps=2))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    record = next(r for r in records if "tflops_per_gpu" in r)
+    flops_per_token = record["tflops_per_gpu"] * 1e12 / record["tokens_per_s_per_gpu"]
+    counter = FlopsCounter(AutoConfig.from_pretrained(DEFAULT_ASSETS / "model"))
+    assert counter.per_token(1) < flops_per_token < counter.per_token(64)  # tiny_job packs rows of 64
