@@ -168,3 +168,35 @@ def test_qwen3_moe_with_offsets_in_bf16_on_gpu(reference_qwen3_moe, tmp_path):
     for name, param in ours.named_parameters():
         err = rel_err(param.grad.float(), ref_params[name].grad)
         assert err < max(1e-2, 2 * rel_err(hf_params[name].grad.float(), ref_params[name].grad)), name
+
+
+def test_transformers_flattening_collator_batches_take_the_document_path(reference_qwen3_moe, tmp_path, monkeypatch):
+    """``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` (what TRL's padding-free
+    training uses) gives moetune's Qwen3-MoE the offsets with SDPA too, not only with
+    flash_attention_2: the loss and gradients equal Transformers' on the same flattened row."""
+    from transformers import DataCollatorWithFlattening
+
+    ref = reference_qwen3_moe()
+    ref.save_pretrained(tmp_path, save_original_format=False)
+    ours = moetune.AutoModelForCausalLM.from_pretrained(tmp_path)
+    ref.train()
+    ours.train()
+    torch.manual_seed(2)
+    features = [{"input_ids": torch.randint(3, ref.config.vocab_size, (n,)).tolist()} for n in (7, 12, 4)]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
+    expected = ref(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
+                   use_cache=False)
+    expected.loss.backward()
+
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    def no_mask_preparation(*args, **kwargs):
+        raise AssertionError("with document offsets no mask is prepared")
+
+    monkeypatch.setattr(modeling_qwen3_moe, "create_causal_mask", no_mask_preparation)
+    got = ours(**batch)
+    assert rel_err(got.loss, expected.loss) < TOL
+    got.loss.backward()
+    ref_params = dict(ref.named_parameters())
+    for name, param in ours.named_parameters():
+        assert rel_err(param.grad, ref_params[name].grad) < TOL, name
