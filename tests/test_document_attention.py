@@ -200,3 +200,19 @@ def test_transformers_flattening_collator_batches_take_the_document_path(referen
     ref_params = dict(ref.named_parameters())
     for name, param in ours.named_parameters():
         assert rel_err(param.grad, ref_params[name].grad) < TOL, name
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_varlen_kernel_under_autocast_with_mixed_input_dtypes():
+    """fp32 weights under bf16 autocast (the recipe's default on GPU): projections and norms may
+    hand over fp32 and bf16 tensors; the kernel runs in bf16 as SDPA would."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 64, 4, 32, device="cuda")
+    k, v = torch.randn(1, 64, 2, 32, device="cuda").bfloat16(), torch.randn(1, 64, 2, 32, device="cuda").bfloat16()
+    offsets = document_offsets([[30, 34]], row_length=64).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = document_causal_attention(q, k, v, offsets, max_length=64, scaling=32**-0.5)
+    assert got.dtype == torch.bfloat16
+    expected = _reference(q, k.float(), v.float(), [[30, 34]], 32**-0.5)
+    assert rel_err(got.float(), expected) < 1e-2

@@ -65,8 +65,11 @@ def document_causal_attention(
         raise ValueError(f"document attention: {H} query heads are not a multiple of {K} key/value heads")
     if offsets_N.dim() != 1 or offsets_N.numel() < 2:
         raise ValueError(f"document attention: cu_seq_lens_q must be 1-D with >= 2 offsets, got {tuple(offsets_N.shape)}")
-    varlen = _varlen_kernel() if _varlen_applies(q_BSHD) else None
+    dtype = _compute_dtype(q_BSHD)
+    varlen = _varlen_kernel() if _varlen_applies(q_BSHD, dtype) else None
     if varlen is not None:
+        # Under autocast the projections may come in different dtypes; SDPA would cast them too.
+        q_BSHD, k_BSKD, v_BSKD = (t.to(dtype) for t in (q_BSHD, k_BSKD, v_BSKD))
         offsets_N = offsets_N.to(device=q_BSHD.device, dtype=torch.int32)
         out_THD = varlen(
             q_BSHD.reshape(B * S, H, D), k_BSKD.reshape(B * S, K, D), v_BSKD.reshape(B * S, K, D),
@@ -74,6 +77,13 @@ def document_causal_attention(
         )  # fmt: skip
         return out_THD.view(B, S, H, D)
     return _masked_sdpa(q_BSHD, k_BSKD, v_BSKD, offsets_N, scaling=scaling)
+
+
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype attention runs in: autocast's on CUDA when it is on (as SDPA), else the query's."""
+    if q.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return q.dtype
 
 
 def _masked_sdpa(q_BSHD, k_BSKD, v_BSKD, offsets_N, *, scaling: float) -> torch.Tensor:
@@ -98,8 +108,8 @@ def document_causal_mask(offsets_N: torch.Tensor, *, batch: int, seq_len: int) -
     return (same_BSS & causal_SS).unsqueeze(1)
 
 
-def _varlen_applies(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+def _varlen_applies(q: torch.Tensor, dtype: torch.dtype) -> bool:
+    return q.is_cuda and dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
 
 
 @functools.cache
