@@ -64,7 +64,8 @@ class DataConfig:
     """Tokens per packed row (or per sample without packing); longer samples are truncated
     (and counted)."""
     packing: bool = True
-    """Pack several samples into each row; positions and attention restart at each sample."""
+    """Pack several samples into each row; positions and attention restart at each sample. Refused
+    for models with recurrent layers (Nemotron-H's Mamba-2), whose state would cross samples."""
     val_fraction: float = 0.02
     """Fraction of the training rows held out for the validation loss (0 disables it)."""
     on_bad_row: str = "skip"

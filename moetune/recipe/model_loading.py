@@ -39,6 +39,29 @@ def load_model_config(config: ModelConfig) -> PretrainedConfig:
     return model_config
 
 
+_RECURRENT_MIXERS = ("Mamba", "GatedDeltaNet")
+"""Class-name marks of layers that carry a state along the sequence (Mamba-2 / SSM, linear attention)."""
+
+
+def check_packing_supported(model_config: PretrainedConfig, *, packing: bool) -> None:
+    """Packed rows need every layer to keep documents apart. Attention does (document offsets or a
+    mask); recurrent layers (Nemotron-H's Mamba-2 and the like) carry their state and convolution
+    across the boundary in the torch paths that train here, so one document would leak into the
+    next (measured: the second document's logits moved by 0.1 on a tiny Nemotron-H). Checked on the
+    meta device, before anything is loaded."""
+    if not packing:
+        return
+    from moetune.flops import meta_model
+
+    mixers = sorted({type(m).__name__ for m in meta_model(model_config).modules()
+                     if any(mark in type(m).__name__ for mark in _RECURRENT_MIXERS)})
+    if mixers:
+        raise ValueError(
+            f"config field data.packing: {model_config.model_type} has recurrent layers ({', '.join(mixers)}) that carry "
+            "their state from one packed document into the next (they take no document boundaries); set "
+            "data.packing false (one sample per row, padded)")
+
+
 def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: torch.dtype,
                 device: torch.device, sharding: dict | None = None) -> PreTrainedModel:
     """From ``pretrained_path`` (weights loaded) or from ``config_path`` (random init, seeded by

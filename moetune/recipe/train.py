@@ -21,7 +21,9 @@ from moetune.recipe.distributed_setup import (
     Runtime, all_reduce_sum, init_runtime, sharding_options, shutdown, wrap_model,
 )
 from moetune.recipe.interrupts import StopRequest
-from moetune.recipe.model_loading import build_model, load_model_config, load_tokenizer, model_fingerprint
+from moetune.recipe.model_loading import (
+    build_model, check_packing_supported, load_model_config, load_tokenizer, model_fingerprint,
+)
 from moetune.recipe.packing import Batch, BatchStream, fixed_batches, max_documents_per_row
 from moetune.recipe.step import GraphedTrainStep, NonFiniteLossError, StepResult, train_step
 from moetune.training import set_learning_rate
@@ -121,6 +123,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
     out_dir = Path(config.training.output_dir)
     tokenizer = load_tokenizer(config.model)
     model_config = load_model_config(config.model)
+    check_packing_supported(model_config, packing=config.data.packing)
     data = prepare_data(config.data, tokenizer, seed=config.training.seed)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     lora = config.lora if config.lora.enabled else None

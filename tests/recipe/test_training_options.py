@@ -65,11 +65,21 @@ def test_every_moetune_family_fine_tunes_and_exports(tiny_job, tmp_path, family)
 
     build = {"deepseek_v3": tiny_deepseek_v3_config, "gpt_oss": tiny_gpt_oss_config, "nemotron_h": tiny_nemotron_h_config}
     build[family](vocab_size=309, max_position_embeddings=512).save_pretrained(tmp_path / "model")
+    # Nemotron-H's Mamba-2 layers cannot keep packed documents apart: one sample per row.
+    packing = "false" if family == "nemotron_h" else "true"
     result = finetune(tiny_job(tmp_path / "out", model__config_path=tmp_path / "model", training__steps=2,
-                               checkpoint__export_final="true"))  # fmt: skip
+                               checkpoint__export_final="true", data__packing=packing))  # fmt: skip
     assert len(result.losses) == 2 and all(loss == loss for loss in result.losses)
     exported = transformers.AutoModelForCausalLM.from_pretrained(result.exported["final"])
     assert exported.config.model_type == family
     final = json.loads((tmp_path / "out" / "metrics.jsonl").read_text().splitlines()[-1])
     counts = final["expert_tokens"]  # each tiny config has two MoE layers
     assert len(counts) == 2 and all(sum(layer) > 0 for layer in counts)
+
+
+def test_packing_is_refused_for_layers_that_carry_state_across_documents(tiny_job, tmp_path):
+    from tests.test_nemotron_h_parity import tiny_nemotron_h_config
+
+    tiny_nemotron_h_config(vocab_size=309, max_position_embeddings=512).save_pretrained(tmp_path / "model")
+    with pytest.raises(ValueError, match=r"data.packing: nemotron_h has recurrent layers \(.*Mamba"):
+        finetune(tiny_job(tmp_path / "out", model__config_path=tmp_path / "model"))
