@@ -15,6 +15,7 @@ from tests.conftest import (
     check_bf16_cuda_training_parity,
     check_generation_and_reload,
     check_training_parity,
+    rel_err,
     save_with_transformers,
     seeded_reference,
 )
@@ -75,3 +76,33 @@ def test_expert_parallel_two_processes_equal_one_process(tmp_path):
 def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path):
     folder = save_with_transformers(reference(hidden_size=64, moe_intermediate_size=32), tmp_path)
     check_bf16_cuda_training_parity(folder, vocab=96)
+
+
+def test_packed_documents_stay_apart_in_the_mamba_layers(tmp_path):
+    """Packed rows (positions restarting per document, no mask): each document's logits and the
+    loss's gradients equal those of the documents run one by one in Transformers, which would
+    carry the Mamba-2 state from one document into the next if given the packed row."""
+    ref = reference()
+    ours = moetune.AutoModelForCausalLM.from_pretrained(save_with_transformers(ref, tmp_path))
+    assert ours.keeps_packed_documents_apart
+    ref.train()
+    ours.train()
+    torch.manual_seed(3)
+    rows = [[9, 7], [16], [3, 5, 8]]  # documents per row, 16 tokens each
+    ids = torch.randint(3, 96, (3, 16))
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in rows])
+    got = ours(input_ids=ids, position_ids=positions, return_logits=True, use_cache=False)
+    loss = 0.0
+    for r, row in enumerate(rows):
+        start = 0
+        for n in row:
+            alone = ref(input_ids=ids[r:r + 1, start:start + n], use_cache=False)
+            assert rel_err(got.logits[r, start:start + n], alone.logits[0]) < 1e-5, (r, start)
+            loss = loss + alone.logits.square().mean()
+            start += n
+    expected_grads = torch.autograd.grad(loss, list(ref.parameters()))
+    ours_loss = sum(got.logits[r:r + 1, s:s + n].square().mean()
+                    for r, row in enumerate(rows) for s, n in zip([sum(row[:i]) for i in range(len(row))], row))
+    ours_loss.backward()
+    for (name, param), expected in zip(ref.named_parameters(), expected_grads):
+        assert rel_err(dict(ours.named_parameters())[name].grad, expected) < 1e-5, name

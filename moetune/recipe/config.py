@@ -64,8 +64,9 @@ class DataConfig:
     """Tokens per packed row (or per sample without packing); longer samples are truncated
     (and counted)."""
     packing: bool = True
-    """Pack several samples into each row; positions and attention restart at each sample. Refused
-    for models with recurrent layers (Nemotron-H's Mamba-2), whose state would cross samples."""
+    """Pack several samples into each row; positions and attention restart at each sample (moetune's
+    Nemotron-H restarts its Mamba-2 state too). Refused for Transformers' models with recurrent
+    layers (Jamba, Bamba, ...), whose state would cross samples."""
     val_fraction: float = 0.02
     """Fraction of the training rows held out for the validation loss (0 disables it)."""
     on_bad_row: str = "skip"

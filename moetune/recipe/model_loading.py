@@ -45,16 +45,19 @@ _RECURRENT_MIXERS = ("Mamba", "GatedDeltaNet")
 
 def check_packing_supported(model_config: PretrainedConfig, *, packing: bool) -> None:
     """Packed rows need every layer to keep documents apart. Attention does (document offsets or a
-    mask); recurrent layers (Nemotron-H's Mamba-2 and the like) carry their state and convolution
-    across the boundary in the torch paths that train here, so one document would leak into the
-    next (measured: the second document's logits moved by 0.1 on a tiny Nemotron-H). Checked on the
-    meta device, before anything is loaded."""
+    mask); Transformers' recurrent layers (Mamba-2 and the like) carry their state and convolution
+    across the boundary, so one document would leak into the next (measured: the second document's
+    logits moved by 0.1 on a tiny Transformers Nemotron-H). moetune's Nemotron-H runs each document
+    alone (``keeps_packed_documents_apart``); other models with such layers are refused. Checked on
+    the meta device, before anything is loaded."""
     if not packing:
         return
     from moetune.flops import meta_model
 
-    mixers = sorted({type(m).__name__ for m in meta_model(model_config).modules()
-                     if any(mark in type(m).__name__ for mark in _RECURRENT_MIXERS)})
+    model = meta_model(model_config)
+    if getattr(model, "keeps_packed_documents_apart", False):  # moetune's Nemotron-H runs each document alone
+        return
+    mixers = sorted({type(m).__name__ for m in model.modules() if any(mark in type(m).__name__ for mark in _RECURRENT_MIXERS)})
     if mixers:
         raise ValueError(
             f"config field data.packing: {model_config.model_type} has recurrent layers ({', '.join(mixers)}) that carry "

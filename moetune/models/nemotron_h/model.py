@@ -12,11 +12,14 @@ them. The multi-token-prediction weights (``mtp.*``) are ignored, as Transformer
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
 from moetune.checkpoint import CheckpointLayout, FusedExpertParam
+from moetune.layers.packed_documents import document_layout, per_document
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.models.deepseek_v3.model import build_router
 from moetune.moe import GroupedExperts, MoEBlock
@@ -70,14 +73,33 @@ def build_moe_block(config) -> NemotronHMoEBlock:
     )
 
 
+# Transformers >= 5.2x hands every block the position_ids, where packed rows' documents restart.
+_BLOCKS_SEE_POSITIONS = "position_ids" in inspect.signature(hf.NemotronHBlock.forward).parameters
+
+
 class NemotronHBlock(hf.NemotronHBlock):
     """Transformers' block; an MoE mixer is replaced by moetune's (built on the meta device when
-    loading, so the replaced one costs nothing there)."""
+    loading, so the replaced one costs nothing there). A Mamba-2 block given packed rows (the
+    position_ids restart within a row) runs each document from zero state
+    (``moetune.layers.packed_documents``); Transformers' would carry the state across."""
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         if isinstance(self.mixer, hf.NemotronHMoE):
             self.mixer = build_moe_block(config)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        position_ids = kwargs.get("position_ids")
+        cached = any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "cache_params"))
+        if isinstance(self.mixer, hf.NemotronHMamba2Mixer) and position_ids is not None and not cached and not args:
+            layout = document_layout(position_ids)
+            if layout is not None:
+                residual = hidden_states
+                normed = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))
+                if getattr(self, "residual_in_fp32", False):
+                    residual = residual.to(torch.float32)
+                return residual + per_document(self.mixer, normed, layout)
+        return super().forward(hidden_states, *args, **kwargs)
 
 
 class NemotronHModel(MoetuneBaseModelMixin, hf.NemotronHModel):
@@ -91,6 +113,9 @@ class NemotronHModel(MoetuneBaseModelMixin, hf.NemotronHModel):
 
 class NemotronHForCausalLM(MoetuneCausalLMMixin, hf.NemotronHForCausalLM):
     """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable."""
+
+    keeps_packed_documents_apart = _BLOCKS_SEE_POSITIONS
+    """Whether packed rows' documents stay apart in the Mamba-2 layers too (see NemotronHBlock)."""
 
     checkpoint_layout = CHECKPOINT_LAYOUT
     computes_aux_loss = False
