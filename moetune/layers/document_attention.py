@@ -109,7 +109,14 @@ def document_causal_mask(offsets_N: torch.Tensor, *, batch: int, seq_len: int) -
 
 
 def _varlen_applies(q: torch.Tensor, dtype: torch.dtype) -> bool:
-    return q.is_cuda and dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+    return (q.is_cuda and dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
+            and _has_flash_attention(q.device.index))
+
+
+@functools.cache
+def _has_flash_attention(device_index: int | None) -> bool:
+    """torch's flash kernels need sm80 (Ampere) or newer; older GPUs take the masked SDPA path."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
 @functools.cache

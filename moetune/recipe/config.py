@@ -120,7 +120,8 @@ class TrainingConfig:
     recipe's tokens/s on one H200, 1.15x with expert parallelism on two; recipe README). Needs packed rows
     (data.packing), an architecture whose attention takes the documents' offsets (moetune's
     Qwen3-MoE), and with several processes expert parallelism with ep_dispatch "allgather" and
-    dense_parallel "replicate". The first two steps run eagerly; off CUDA every step does."""
+    dense_parallel "replicate". The first two steps run eagerly; off CUDA every step does. Measured
+    with training.precision "bf16"; "bf16_autocast" is tested on CPU (the steps run eagerly there)."""
     val_every: int = 250
     """Validation loss every this many steps (0: only at the end)."""
     output_dir: str = "outputs/default"
