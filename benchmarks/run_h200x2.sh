@@ -28,6 +28,8 @@
 #                defaults; e.g. OPT_SWEEP="- replicate_bucket_mb=None replicate_bucket_mb=25,replicate_max_ctas=8")
 #     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/nccl_probe.py): NCCL,
 #                and copy-engine pushes into symmetric memory (--copy-engine)
+#     recipe     `moetune finetune`'s own tokens/s, eager and with training.cuda_graph, on one GPU (8 layers)
+#                and on two (16 layers, ep=2) (benchmarks/recipe_probe.py; packed synthetic chat rows)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -131,6 +133,15 @@ if stage onegpu16l; then
     CUDA_VISIBLE_DEVICES=0 timeout 150 python -m moetune.bench --out "$OUT" --layers "${LAYERS:-16}" --seq-len 4096 \
       --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune $graph ${EXTRA:-} || status=1
   done
+fi
+
+if stage recipe; then  # the recipe's own tokens/s (benchmarks/recipe_probe.py): one GPU at 8 layers, two at 16 with ep=2
+  echo "== recipe: one GPU, 8 layers, eager and graphed"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python benchmarks/recipe_probe.py --layers 8 --variants eager,graph \
+    --timeout 90 --work /tmp/recipe_probe_1gpu --out "$OUT" || status=1
+  echo "== recipe: two GPUs, 16 layers, ep=2 (all-gather + replicate), eager and graphed"
+  timeout 220 python benchmarks/recipe_probe.py --layers 16 --nproc 2 --ep 2 --variants eager,graph \
+    --timeout 100 --work /tmp/recipe_probe_2gpu --out "$OUT" || status=1
 fi
 
 echo "== summary"
