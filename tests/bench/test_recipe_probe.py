@@ -1,0 +1,35 @@
+"""``benchmarks/recipe_probe.py`` end to end on the CPU with the shipped tiny model: every variant
+runs as its own `moetune finetune`, the result file holds each one's rate and losses, and a rerun
+into the same work folder does not mix the earlier run's metrics in."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _probe(tmp_path: Path, out: Path) -> dict:
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "recipe_probe.py"), "--model-config",
+         str(ROOT / "moetune" / "assets" / "default" / "model" / "config.json"), "--layers", "2", "--max-length", "128",
+         "--min-chars", "20", "--max-chars", "60", "--steps", "4", "--log-every", "2", "--skip-steps", "0",
+         "--variants", "eager,graph", "--work", str(tmp_path / "work"), "--out", str(out)],
+        check=True, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    (result_file,) = out.glob("recipe_*.json")
+    return json.loads(result_file.read_text())
+
+
+def test_recipe_probe_runs_each_variant_in_its_own_process(tmp_path):
+    record = _probe(tmp_path, tmp_path / "first")
+    eager, graph = record["results"]
+    assert [eager["variant"], graph["variant"]] == ["eager", "graph"]
+    for result in (eager, graph):
+        assert result["returncode"] == 0 and result["tokens_per_s_per_gpu"] > 0 and len(result["windows"]) == 2
+    assert graph["losses"] == eager["losses"]  # on CPU the graphed step runs the same code eagerly
+    again = _probe(tmp_path, tmp_path / "second")  # same work folder: metrics.jsonl must start empty
+    assert len(again["results"][0]["windows"]) == 2
