@@ -43,26 +43,34 @@ _RECURRENT_MIXERS = ("Mamba", "GatedDeltaNet")
 """Class-name marks of layers that carry a state along the sequence (Mamba-2 / SSM, linear attention)."""
 
 
-def check_packing_supported(model_config: PretrainedConfig, *, packing: bool) -> None:
-    """Packed rows need every layer to keep documents apart. Attention does (document offsets or a
-    mask); Transformers' recurrent layers (Mamba-2 and the like) carry their state and convolution
-    across the boundary, so one document would leak into the next (measured: the second document's
-    logits moved by 0.1 on a tiny Transformers Nemotron-H). moetune's Nemotron-H runs each document
-    alone (``keeps_packed_documents_apart``); other models with such layers are refused. Checked on
-    the meta device, before anything is loaded."""
-    if not packing:
-        return
+def check_model_for_job(model_config: PretrainedConfig, *, packing: bool, cuda_graph: bool) -> bool:
+    """What the job asks of the model, checked on the meta device before anything is loaded; returns
+    whether its attention takes packed documents' offsets (``takes_document_offsets``).
+
+    - Packed rows need every layer to keep documents apart. Attention does (offsets or a mask);
+      Transformers' recurrent layers (Mamba-2 and the like) carry their state and convolution across
+      the boundary, so one document would leak into the next (measured: the second document's logits
+      moved by 0.1 on a tiny Transformers Nemotron-H). moetune's Nemotron-H runs each document alone
+      (``keeps_packed_documents_apart``); other models with such layers are refused.
+    - A CUDA-graph step cannot capture Transformers' mask preparation for packed rows (it reads the
+      positions on the host): it needs an attention that takes the offsets."""
     from moetune.flops import meta_model
 
     model = meta_model(model_config)
-    if getattr(model, "keeps_packed_documents_apart", False):  # moetune's Nemotron-H runs each document alone
-        return
-    mixers = sorted({type(m).__name__ for m in model.modules() if any(mark in type(m).__name__ for mark in _RECURRENT_MIXERS)})
-    if mixers:
+    takes_offsets = bool(getattr(getattr(model, "model", None), "takes_document_offsets", False))
+    if packing and not getattr(model, "keeps_packed_documents_apart", False):
+        mixers = sorted({type(m).__name__ for m in model.modules() if any(mark in type(m).__name__ for mark in _RECURRENT_MIXERS)})
+        if mixers:
+            raise ValueError(
+                f"config field data.packing: {model_config.model_type} has recurrent layers ({', '.join(mixers)}) that "
+                "carry their state from one packed document into the next (they take no document boundaries); set "
+                "data.packing false (one sample per row, padded)")
+    if cuda_graph and not takes_offsets:
         raise ValueError(
-            f"config field data.packing: {model_config.model_type} has recurrent layers ({', '.join(mixers)}) that carry "
-            "their state from one packed document into the next (they take no document boundaries); set "
-            "data.packing false (one sample per row, padded)")
+            f"config field training.cuda_graph: {type(model).__name__} derives packed rows' attention masks on the "
+            "host, which a CUDA graph cannot capture; moetune's Qwen3-MoE takes the documents' offsets instead. Set "
+            "training.cuda_graph false for this model.")
+    return takes_offsets
 
 
 def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: torch.dtype,

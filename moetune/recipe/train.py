@@ -22,7 +22,7 @@ from moetune.recipe.distributed_setup import (
 )
 from moetune.recipe.interrupts import StopRequest
 from moetune.recipe.model_loading import (
-    build_model, check_packing_supported, load_model_config, load_tokenizer, model_fingerprint,
+    build_model, check_model_for_job, load_model_config, load_tokenizer, model_fingerprint,
 )
 from moetune.recipe.packing import Batch, BatchStream, fixed_batches, max_documents_per_row
 from moetune.recipe.step import GraphedTrainStep, NonFiniteLossError, StepResult, train_step
@@ -123,7 +123,8 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
     out_dir = Path(config.training.output_dir)
     tokenizer = load_tokenizer(config.model)
     model_config = load_model_config(config.model)
-    check_packing_supported(model_config, packing=config.data.packing)
+    takes_offsets = check_model_for_job(model_config, packing=config.data.packing, cuda_graph=config.training.cuda_graph)
+    _check_graph_sharding(config, runtime)
     data = prepare_data(config.data, tokenizer, seed=config.training.seed)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     lora = config.lora if config.lora.enabled else None
@@ -154,28 +155,23 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
         if moe_layers else None,
         fingerprint={**model_fingerprint(model_config), "lora": to_dict(config.lora) if config.lora.enabled else None},
         base_path=base_path, autocast=autocast_for(precision, runtime.device), out_dir=out_dir,
-        num_offsets=_num_document_offsets(hf_model, data, config),
+        num_offsets=_num_document_offsets(data, config) if takes_offsets else None,
     )
 
 
-def _num_document_offsets(hf_model: PreTrainedModel, data: PreparedData, config: JobConfig) -> int | None:
-    """Job.num_offsets; checks that a CUDA-graph step can run this model and sharding."""
-    takes_offsets = bool(getattr(getattr(hf_model, "model", None), "takes_document_offsets", False))
-    if config.training.cuda_graph:
-        if not takes_offsets:
-            raise ValueError(
-                f"config field training.cuda_graph: {type(hf_model).__name__} derives packed rows' attention masks "
-                "on the host, which a CUDA graph cannot capture; moetune's Qwen3-MoE takes the documents' offsets "
-                "instead. Set training.cuda_graph false for this model.")
-        distributed = config.distributed
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1 and not (
-                distributed.ep_size > 1 and distributed.ep_dispatch == "allgather"
-                and distributed.dense_parallel == "replicate"):
-            raise ValueError(
-                "config field training.cuda_graph: with several processes the step is capturable with expert "
-                "parallelism only (distributed.ep_size > 1, ep_dispatch 'allgather', dense_parallel 'replicate'); "
-                "FSDP2 and DDP manage memory or buckets from the host.")
-    if not (takes_offsets and config.data.packing):
+def _check_graph_sharding(config: JobConfig, runtime: Runtime) -> None:
+    distributed = config.distributed
+    if config.training.cuda_graph and runtime.world_size > 1 and not (
+            distributed.ep_size > 1 and distributed.ep_dispatch == "allgather" and distributed.dense_parallel == "replicate"):
+        raise ValueError(
+            "config field training.cuda_graph: with several processes the step is capturable with expert parallelism "
+            "only (distributed.ep_size > 1, ep_dispatch 'allgather', dense_parallel 'replicate'); FSDP2 and DDP "
+            "manage memory or buckets from the host.")
+
+
+def _num_document_offsets(data: PreparedData, config: JobConfig) -> int | None:
+    """Job.num_offsets: a bound on a micro-batch's documents (+ 1), or None without packing."""
+    if not config.data.packing:
         return None
     per_row = max_documents_per_row(data.train, max_length=config.data.max_length)
     return config.training.micro_batch_size * per_row + 1

@@ -121,3 +121,15 @@ def test_graphed_recipe_on_gpu_trains_as_the_eager_one(tiny_job, tmp_path):
     graphed = finetune(tiny_job(tmp_path / "graphed", training__cuda_graph="true", **options))
     assert graphed.losses == pytest.approx(eager.losses, rel=1e-3)
     assert graphed.val_loss == pytest.approx(eager.val_loss, rel=1e-3)
+
+
+def test_several_processes_need_the_capturable_expert_parallel_settings():
+    from moetune.recipe.distributed_setup import Runtime
+    from moetune.recipe.train import _check_graph_sharding
+
+    two = Runtime(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="training.cuda_graph: with several processes"):
+        _check_graph_sharding(load_config(overrides=["training.cuda_graph=true"]), two)
+    capturable = load_config(overrides=["training.cuda_graph=true", "distributed.ep_size=2",
+                                        "distributed.ep_dispatch=allgather", "distributed.dense_parallel=replicate"])
+    _check_graph_sharding(capturable, two)
