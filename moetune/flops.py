@@ -8,7 +8,9 @@ modules so that every architecture gets the same rules:
 - stacked experts (a module holding 3-D weights [E, ...]): top-k x 2 x one expert's weights;
 - attention: QK^T and AV over the keys a causal query sees on average (S / 2, or about the window
   for sliding-window layers): 2 x keys x heads x (qk_dim + v_dim);
-- routers, embeddings, norms, convolutions and the SSM scan are left out; backward = 2 x forward.
+- Mamba-2 mixers: their projections as linears, plus the SSM scan as Megatron / NeMo count it for
+  hybrid models (7 x d_inner x state FLOPs per token for forward + backward together);
+- routers, embeddings, norms and convolutions are left out; backward = 2 x forward.
 
 For Qwen3-MoE this is exactly 3 x [sum over layers (2H(q + 2kv + q) + 2 S q + MLP) + 2 H V].
 """
@@ -46,6 +48,8 @@ class FlopsCounter:
                 self.weights_forward += top_k * 2 * sum(p[0].numel() for p in stacked)
             if _is_attention(module):
                 self.attention_modules.append(module)
+            if _is_ssm_mixer(module):  # counted as forward (x 3 below), so 7 / 3 of d_inner x state
+                self.weights_forward += 7 / 3 * module.intermediate_size * module.ssm_state_size
 
     def per_token(self, seq_len: int) -> float:
         attention = sum(_attention_scores(module, self.config, seq_len) for module in self.attention_modules)
@@ -68,6 +72,10 @@ def meta_model(config: Any) -> nn.Module:
         if family is not None:
             return family.causal_lm._from_config(config, attn_implementation=family.default_attention)
         return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _is_ssm_mixer(module: nn.Module) -> bool:
+    return "Mamba" in type(module).__name__ and hasattr(module, "ssm_state_size") and hasattr(module, "intermediate_size")
 
 
 def _is_attention(module: nn.Module) -> bool:

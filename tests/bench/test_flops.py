@@ -63,3 +63,17 @@ def test_packed_documents_count_attention_at_their_own_length():
     assert counter.of_documents([1000, 3096]) == sum(n * (weights + attention_per_key * n) for n in (1000, 3096))
     assert counter.of_documents([1000, 3096]) < 4096 * counter.per_token(4096)  # no attention across documents
     assert counter.of_documents([4096]) == 4096 * flops_per_token(config, seq_len=4096)
+
+
+def test_mamba2_mixers_count_the_ssm_scan_as_nemotron_does(monkeypatch):
+    """Megatron / NeMo's hybrid-model convention: each Mamba-2 layer's scan adds 7 x d_inner x state
+    per token (training), beside its projections, which count as linears."""
+    import moetune.flops
+    from tests.test_nemotron_h_parity import tiny_nemotron_h_config
+
+    config = tiny_nemotron_h_config(hybrid_override_pattern="ME*M")  # two Mamba-2 layers
+    with_scan = moetune.flops.FlopsCounter(config).per_token(16)
+    monkeypatch.setattr(moetune.flops, "_is_ssm_mixer", lambda module: False)
+    without = moetune.flops.FlopsCounter(config).per_token(16)
+    d_inner, state = 4 * 8, 8  # mamba_num_heads x mamba_head_dim, ssm_state_size
+    assert with_scan - without == pytest.approx(2 * 7 * d_inner * state)
