@@ -17,6 +17,7 @@ For Qwen3-MoE this is exactly 3 x [sum over layers (2H(q + 2kv + q) + 2 S q + ML
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -39,7 +40,9 @@ class FlopsCounter:
         self.config = model.config
         top_k = getattr(self.config, "num_experts_per_tok", 1) or 1
         self.weights_forward = 0.0
-        self.attention_modules: list[nn.Module] = []
+        # Attention FLOPs per key a token sees, summed per window (None: full causal attention), so
+        # that a step's many documents cost a few products each, not a walk over every layer.
+        self.attention_per_key: dict[int | None, float] = defaultdict(float)
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in _ROUTER_NAMES:
                 self.weights_forward += 2 * module.in_features * module.out_features
@@ -47,12 +50,13 @@ class FlopsCounter:
             if stacked:
                 self.weights_forward += top_k * 2 * sum(p[0].numel() for p in stacked)
             if _is_attention(module):
-                self.attention_modules.append(module)
+                window, per_key = _attention_per_key(module, self.config)
+                self.attention_per_key[window] += per_key
             if _is_ssm_mixer(module):  # counted as forward (x 3 below), so 7 / 3 of d_inner x state
                 self.weights_forward += 7 / 3 * module.intermediate_size * module.ssm_state_size
 
     def per_token(self, seq_len: int) -> float:
-        attention = sum(_attention_scores(module, self.config, seq_len) for module in self.attention_modules)
+        attention = sum(per_key * _keys_seen(window, seq_len) for window, per_key in self.attention_per_key.items())
         return 3.0 * (self.weights_forward + attention)
 
     def of_documents(self, lengths: list[int]) -> float:
@@ -82,13 +86,15 @@ def _is_attention(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Attention") and hasattr(module, "o_proj")
 
 
-def _attention_scores(module: nn.Module, config: Any, seq_len: int) -> float:
-    heads = config.num_attention_heads
+def _attention_per_key(module: nn.Module, config: Any) -> tuple[int | None, float]:
+    """(sliding window or None, QK^T and AV FLOPs per key a query sees)."""
     qk_dim = getattr(module, "qk_head_dim", None) or module.head_dim  # MLA: nope + rope dims
     v_dim = getattr(module, "v_head_dim", None) or module.head_dim
-    window = getattr(module, "sliding_window", None)
+    return getattr(module, "sliding_window", None) or None, 2 * config.num_attention_heads * (qk_dim + v_dim)
+
+
+def _keys_seen(window: int | None, seq_len: int) -> float:
+    """Keys a causal query sees on average over a sequence of ``seq_len``."""
     if window and window < seq_len:  # token i sees min(i, window) keys
-        keys = window - window * (window - 1) / (2 * seq_len)
-    else:
-        keys = seq_len / 2
-    return 2 * keys * heads * (qk_dim + v_dim)
+        return window - window * (window - 1) / (2 * seq_len)
+    return seq_len / 2

@@ -124,6 +124,16 @@ def check_bf16_cuda_training_parity(folder, vocab: int) -> None:
         assert err < max(1e-2, 2 * rel_err(hf_params[name].grad.float(), ref_params[name].grad)), name
 
 
+def forbid_qwen3_mask_preparation(monkeypatch, why: str) -> None:
+    """Make Transformers' Qwen3-MoE mask preparation (a host sync) fail with ``why`` for the test."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    def no_mask_preparation(*args, **kwargs):
+        raise AssertionError(why)
+
+    monkeypatch.setattr(modeling_qwen3_moe, "create_causal_mask", no_mask_preparation)
+
+
 def check_fused_loss_and_gradients(ours, ref, expected_loss, tol: float = 1e-5, **inputs) -> None:
     """Backward through Transformers' ``expected_loss``, then moetune's training forward on ``inputs``
     (fused LM-head loss: no logits) must give the same loss and every parameter the same gradient."""

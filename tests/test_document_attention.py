@@ -10,7 +10,7 @@ import torch
 
 import moetune
 from moetune.layers.document_attention import document_causal_attention, document_causal_mask, document_offsets
-from tests.conftest import rel_err
+from tests.conftest import check_fused_loss_and_gradients, forbid_qwen3_mask_preparation, rel_err
 
 TOL = 1e-5
 LENGTHS = [[5, 9, 2], [16], [1, 3, 12]]  # three rows of 16 tokens
@@ -77,24 +77,16 @@ def test_qwen3_moe_with_offsets_equals_transformers_packed(reference_qwen3_moe, 
     ours.train()
     ids, positions, labels = _packed_batch(ref.config.vocab_size)
     expected = ref(input_ids=ids, position_ids=positions, labels=labels, use_cache=False)
-    expected.loss.backward()
-
-    from transformers.models.qwen3_moe import modeling_qwen3_moe
-
-    def no_mask_preparation(*args, **kwargs):
-        raise AssertionError("with document offsets no mask is prepared")
-
-    monkeypatch.setattr(modeling_qwen3_moe, "create_causal_mask", no_mask_preparation)
+    forbid_qwen3_mask_preparation(monkeypatch, "with document offsets no mask is prepared")
     offsets = document_offsets(LENGTHS, row_length=16, num_offsets=10)
-    got = ours(input_ids=ids, position_ids=positions, labels=labels, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
-               max_length_q=16, max_length_k=16, return_logits=True)
+    inputs = {"input_ids": ids, "position_ids": positions, "labels": labels, "cu_seq_lens_q": offsets,
+              "cu_seq_lens_k": offsets, "max_length_q": 16, "max_length_k": 16}
+    with torch.no_grad():
+        got = ours(**inputs, return_logits=True)
     assert rel_err(got.logits, expected.logits) < TOL
     assert rel_err(got.loss, expected.loss) < TOL
     assert rel_err(got.aux_loss, expected.aux_loss) < TOL
-    got.loss.backward()
-    ref_params = dict(ref.named_parameters())
-    for name, param in ours.named_parameters():
-        assert rel_err(param.grad, ref_params[name].grad) < TOL, name
+    check_fused_loss_and_gradients(ours, ref, expected.loss, TOL, **inputs)
 
 
 def test_offsets_must_be_one_dimensional(reference_qwen3_moe, tmp_path):
@@ -186,20 +178,8 @@ def test_transformers_flattening_collator_batches_take_the_document_path(referen
     batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)(features)
     expected = ref(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
                    use_cache=False)
-    expected.loss.backward()
-
-    from transformers.models.qwen3_moe import modeling_qwen3_moe
-
-    def no_mask_preparation(*args, **kwargs):
-        raise AssertionError("with document offsets no mask is prepared")
-
-    monkeypatch.setattr(modeling_qwen3_moe, "create_causal_mask", no_mask_preparation)
-    got = ours(**batch)
-    assert rel_err(got.loss, expected.loss) < TOL
-    got.loss.backward()
-    ref_params = dict(ref.named_parameters())
-    for name, param in ours.named_parameters():
-        assert rel_err(param.grad, ref_params[name].grad) < TOL, name
+    forbid_qwen3_mask_preparation(monkeypatch, "with document offsets no mask is prepared")
+    check_fused_loss_and_gradients(ours, ref, expected.loss, TOL, **batch)
 
 
 @pytest.mark.gpu

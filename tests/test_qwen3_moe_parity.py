@@ -9,7 +9,13 @@ import transformers
 
 import moetune
 from moetune.models.qwen3_moe.model import Qwen3MoeForCausalLM
-from tests.conftest import check_fused_loss_and_gradients, parity_batch, rel_err, save_per_expert_checkpoint
+from tests.conftest import (
+    check_fused_loss_and_gradients,
+    forbid_qwen3_mask_preparation,
+    parity_batch,
+    rel_err,
+    save_per_expert_checkpoint,
+)
 
 TOL = 1e-5
 CONFIGS = {
@@ -39,22 +45,13 @@ def test_unmasked_training_batches_take_the_plain_causal_path(reference_qwen3_mo
     ours.train()
     ids, _, labels = parity_batch(ref.config.vocab_size, padded=False)
     expected = ref(input_ids=ids, labels=labels)
-    expected.loss.backward()
-
-    from transformers.models.qwen3_moe import modeling_qwen3_moe
-
-    def no_mask_preparation(*args, **kwargs):
-        raise AssertionError("the plain causal path must not prepare a mask")
-
-    monkeypatch.setattr(modeling_qwen3_moe, "create_causal_mask", no_mask_preparation)
-    got = ours(input_ids=ids, labels=labels, return_logits=True)
+    forbid_qwen3_mask_preparation(monkeypatch, "the plain causal path must not prepare a mask")
+    with torch.no_grad():
+        got = ours(input_ids=ids, labels=labels, return_logits=True)
     assert rel_err(got.logits, expected.logits) < TOL
     assert rel_err(got.loss, expected.loss) < TOL
     assert rel_err(got.aux_loss, expected.aux_loss) < TOL
-    got.loss.backward()
-    ref_params = dict(ref.named_parameters())
-    for pname, param in ours.named_parameters():
-        assert rel_err(param.grad, ref_params[pname].grad) < TOL, pname
+    check_fused_loss_and_gradients(ours, ref, expected.loss, TOL, input_ids=ids, labels=labels)
     with pytest.raises(AssertionError, match="must not prepare"):  # a mask still goes through Transformers
         ours(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
 
