@@ -19,6 +19,10 @@
 #   graphtriton  moetune alone, graphed, with experts_backend=triton (Triton row GEMMs)
 #   graph16l  moetune alone at 16 layers, eager and graphed (the one-GPU reference of row B)
 #   profile   benchmarks/profile_step.py: kernels and GPU idle time of one step, eager and graphed
+#   nemotron  Nemotron 3 Nano: one Mamba-2 mixer, Transformers' torch path vs moetune's
+#             (benchmarks/mamba2_probe.py), then 8 layers of the model side by side (real routing)
+#   othermodels  GPT-OSS-20B (6 layers: both sides' eager attention keeps [heads, S, S] scores) and
+#             Moonlight-16B-A3B (DeepSeek-V3's architecture, 8 layers) side by side, real routing
 #
 #   OUT=/some/dir bash benchmarks/run_h200.sh
 #   STAGES="versions gputests graph profile" OUT=/some/dir bash benchmarks/run_h200.sh
@@ -66,7 +70,19 @@ if stage gputests; then
   echo "== GPU tests"
   timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph_step.py tests/test_optim.py \
     tests/test_gpu_losses.py tests/test_deepseek_v3_parity.py tests/test_gpt_oss_parity.py tests/test_nemotron_h_parity.py \
-    tests/test_gathered_experts.py tests/test_document_attention.py tests/recipe/test_cuda_graph_recipe.py tests/kernels || status=1
+    tests/test_gathered_experts.py tests/test_document_attention.py tests/recipe/test_cuda_graph_recipe.py tests/test_mamba2_layers.py tests/kernels || status=1
+fi
+
+if stage nemotron; then
+  echo "== Nemotron 3 Nano: one Mamba-2 mixer, then 8 layers side by side"
+  timeout 150 python benchmarks/mamba2_probe.py --seq-len 4096 --out "$OUT/mamba2_probe_h200.jsonl" || status=1
+  bench 240 --config nemotron_3_nano_30b_a3b --layers 8 --seq-len 4096 --micro-batch 1 --routing real --moetune-optimizer moetune
+fi
+
+if stage othermodels; then
+  echo "== GPT-OSS-20B (6 layers) and Moonlight-16B-A3B (8 layers), side by side"
+  bench 200 --config gpt_oss_20b --layers 6 --seq-len 4096 --micro-batch 1 --routing real --moetune-optimizer moetune
+  bench 200 --config moonlight_16b_a3b --layers 8 --seq-len 4096 --micro-batch 1 --routing real --moetune-optimizer moetune
 fi
 
 if stage parity; then

@@ -207,3 +207,24 @@ def test_gathered_input_saves_the_gathered_rows_memory_cuda():
         torch.autograd.grad(y_NH, [x_TH, *experts.parameters()], torch.ones_like(y_NH))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_fp32_experts_under_bf16_autocast_take_the_grouped_gemm_without_host_sync(kind):
+    """fp32 weights under CUDA bf16 autocast (the recipe's default precision on GPU): the grouped GEMM
+    in bf16, as autocast's per-expert nn.Linear would compute (the loop path's result, within bf16
+    rounding), with no host read of the split sizes (a CUDA-graph capture depends on it)."""
+    kwargs = dict(num_experts=4, hidden=64, width=32, device="cuda", dtype=torch.float32)
+    grouped, loop = make_experts(kind, backend="auto", **kwargs), make_experts(kind, backend="loop", **kwargs)
+    counts_E = torch.tensor([5, 0, 9, 2], device="cuda")
+    x_NH = torch.randn(16, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = loop(x_NH, counts_E)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = grouped(x_NH, counts_E)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert got.dtype == torch.bfloat16 and rel_err(got.float(), expected.float()) < 1e-2

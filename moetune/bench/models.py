@@ -59,6 +59,10 @@ def load_config(name_or_path: str, *, layers: int | None = None) -> tuple[str, t
     if layers is not None:
         if layers < 1:
             raise ValueError(f"--layers must be >= 1, got {layers}")
+        if isinstance(getattr(config, "layer_types", None), list):
+            # Per-layer kinds (GPT-OSS's sliding / full attention, Nemotron-H's pattern, where the
+            # list's length is the number of layers): the first ``layers`` of them.
+            config.layer_types = config.layer_types[:layers]
         config.num_hidden_layers = layers
         if hasattr(config, "max_window_layers"):
             config.max_window_layers = min(config.max_window_layers, layers)

@@ -23,7 +23,8 @@ from moetune.kernels.permute import permute_rows, permute_rows_backward
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 EXPERTS_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
-"""``auto``: torch's grouped GEMM on CUDA bf16, the per-expert loop elsewhere; ``triton``: moetune's
+"""``auto``: torch's grouped GEMM on CUDA bf16 (fp32 weights under CUDA bf16 autocast included), the
+per-expert loop elsewhere; ``triton``: moetune's
 Triton row GEMMs (the dispatch gather fused into the first one) with torch's weight-gradient GEMM."""
 
 
@@ -35,6 +36,13 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
         and x.dtype == torch.bfloat16
         and torch.cuda.get_device_capability(x.device) >= (8, 0)
     )
+
+
+def _cuda_autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """Autocast's dtype where it is on for ``x``'s CUDA device, else None."""
+    if x.is_cuda and torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    return None
 
 
 def _activation(name: str):
@@ -191,6 +199,13 @@ def run_experts(
     """
     if gather_order is not None:
         _check_gather(x, gather_order, gather_top_k)
+    compute_dtype = _cuda_autocast_dtype(x)
+    if compute_dtype is not None and (x.dtype, in_proj.dtype) != (compute_dtype, compute_dtype):
+        # What autocast would do to each expert's nn.Linear, done once for the grouped GEMM (which
+        # autocast does not cast): fp32 weights under bf16 autocast take the grouped path too, so
+        # the experts neither loop over experts nor read the split sizes on the host.
+        x, in_proj, down_proj = x.to(compute_dtype), in_proj.to(compute_dtype), down_proj.to(compute_dtype)
+        in_bias, down_bias = (None if b is None else b.to(compute_dtype) for b in (in_bias, down_bias))
     if backend in ("grouped_mm", "triton") or (backend == "auto" and grouped_mm_supported(x)):
         # No host sync: the group boundaries stay on the device.
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)

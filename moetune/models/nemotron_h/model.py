@@ -2,9 +2,10 @@
 layer: the group-limited sigmoid router -> optional latent down-projection -> dispatch -> grouped
 non-gated ReLU² experts -> combine -> latent up-projection, plus the shared expert.
 
-Subclasses Transformers' classes: the Mamba-2 and attention mixers, the dense MLP blocks, the
-norms, ``generate`` and the hybrid cache are Transformers' own, and each block whose mixer is
-Transformers' MoE gets moetune's instead (same parameter names: ``mixer.gate.weight``,
+Subclasses Transformers' classes: the attention mixers, the dense MLP blocks, the norms,
+``generate`` and the hybrid cache are Transformers' own; the Mamba-2 mixers keep Transformers'
+module and parameters with moetune's training forward (``moetune.layers.mamba2``), and each block
+whose mixer is Transformers' MoE gets moetune's instead (same parameter names: ``mixer.gate.weight``,
 ``mixer.experts.up_proj``, ``mixer.shared_experts.*``, ``mixer.fc1_latent_proj``). The Hub files
 name the backbone ``backbone.`` and store experts one by one; both are mapped as Transformers maps
 them. The multi-token-prediction weights (``mtp.*``) are ignored, as Transformers does.
@@ -19,7 +20,7 @@ from torch import nn
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
 from moetune.checkpoint import CheckpointLayout, FusedExpertParam
-from moetune.layers.packed_documents import document_layout, per_document
+from moetune.layers.mamba2 import causal_conv1d, chunked_scan, document_ids
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.models.deepseek_v3.model import build_router
 from moetune.moe import GroupedExperts, MoEBlock
@@ -73,32 +74,68 @@ def build_moe_block(config) -> NemotronHMoEBlock:
     )
 
 
+class NemotronHMamba2Mixer(hf.NemotronHMamba2Mixer):
+    """Transformers' Mamba-2 mixer (same parameters and math) whose cache-free forward, training's,
+    runs ``moetune.layers.mamba2``: the convolution and the chunked scan as batched matmuls, and
+    packed documents (``seq_idx``) kept apart. With a cache (generation) Transformers' forward runs."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, seq_idx: torch.Tensor | None = None, **kwargs):
+        cached = any(kwargs.get(name) is not None for name in ("cache", "cache_params", "past_key_values"))
+        if args or cached:
+            return super().forward(hidden_states, *args, **kwargs)
+        attention_mask = kwargs.get("attention_mask")
+        batch, seq_len, _ = hidden_states.shape
+        projected = self.in_proj(hf.apply_mask_to_padding_states(hidden_states, attention_mask))
+        gate, xBC, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        conv = causal_conv1d(xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias, seq_idx_BS=seq_idx)
+        xBC = hf.apply_mask_to_padding_states(self.act(conv).to(xBC.dtype), attention_mask)
+        x, B, C = xBC.split([self.intermediate_size, self.n_groups * self.ssm_state_size,
+                             self.n_groups * self.ssm_state_size], dim=-1)
+        y = chunked_scan(
+            x.view(batch, seq_len, self.num_heads, self.head_dim),
+            dt,
+            -torch.exp(self.A_log.float()),
+            B.view(batch, seq_len, self.n_groups, self.ssm_state_size),
+            C.view(batch, seq_len, self.n_groups, self.ssm_state_size),
+            chunk_size=self.chunk_size,
+            D_H=self.D,
+            dt_bias_H=self.dt_bias,
+            dt_limit=self.time_step_limit,
+            seq_idx_BS=seq_idx,
+        )
+        y = self.norm(y.reshape(batch, seq_len, -1), gate)
+        return self.out_proj(y.to(hidden_states.dtype))
+
+
 # Transformers >= 5.2x hands every block the position_ids, where packed rows' documents restart.
 _BLOCKS_SEE_POSITIONS = "position_ids" in inspect.signature(hf.NemotronHBlock.forward).parameters
 
 
 class NemotronHBlock(hf.NemotronHBlock):
-    """Transformers' block; an MoE mixer is replaced by moetune's (built on the meta device when
-    loading, so the replaced one costs nothing there). A Mamba-2 block given packed rows (the
-    position_ids restart within a row) runs each document from zero state
-    (``moetune.layers.packed_documents``); Transformers' would carry the state across."""
+    """Transformers' block with moetune's mixers: an MoE mixer is replaced by moetune's (built on the
+    meta device when loading, so the replaced one costs nothing there), a Mamba-2 mixer becomes
+    ``NemotronHMamba2Mixer`` (same module, same parameters). Given packed rows (the position_ids
+    restart within a row) a Mamba-2 block runs each document from zero state; Transformers' would
+    carry the state and the convolution across."""
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
         if isinstance(self.mixer, hf.NemotronHMoE):
             self.mixer = build_moe_block(config)
+        elif type(self.mixer) is hf.NemotronHMamba2Mixer:
+            self.mixer.__class__ = NemotronHMamba2Mixer  # adds a forward only: no state to move
 
     def forward(self, hidden_states, *args, **kwargs):
         position_ids = kwargs.get("position_ids")
         cached = any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "cache_params"))
-        if isinstance(self.mixer, hf.NemotronHMamba2Mixer) and position_ids is not None and not cached and not args:
-            layout = document_layout(position_ids)
-            if layout is not None:
-                residual = hidden_states
-                normed = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))
-                if getattr(self, "residual_in_fp32", False):
-                    residual = residual.to(torch.float32)
-                return residual + per_document(self.mixer, normed, layout)
+        if isinstance(self.mixer, NemotronHMamba2Mixer) and position_ids is not None and not cached and not args:
+            residual = hidden_states
+            normed = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))
+            if getattr(self, "residual_in_fp32", False):
+                residual = residual.to(torch.float32)
+            mixed = self.mixer(normed, attention_mask=kwargs.get("attention_mask"),
+                               seq_idx=document_ids(position_ids.expand(hidden_states.shape[0], -1)))
+            return residual + mixed
         return super().forward(hidden_states, *args, **kwargs)
 
 
