@@ -42,7 +42,7 @@ def forward_backward(mixer: torch.nn.Module, x: torch.Tensor, probe: torch.Tenso
     mixer.zero_grad(set_to_none=False)
     out = mixer(x)
     out.backward(probe)
-    return out
+    return out.detach()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -80,7 +80,12 @@ def main() -> None:
         step = functools.partial(forward_backward, mixer, x, probe.bfloat16())
         out = step()
         record = {"side": side, "seq_len": args.seq_len, "out_rel_err": rel(out, out_ref), "dx_rel_err": rel(x.grad, x_ref.grad)}
-        step()
+        out = None  # frees the autograd graph, whose AccumulateGrad nodes would tie a capture to this stream
+        side_stream = torch.cuda.Stream()
+        side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side_stream):  # warm-up as torch.cuda.graph wants it
+            step()
+        torch.cuda.current_stream().wait_stream(side_stream)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()

@@ -172,3 +172,46 @@ def test_mxfp4_under_expert_parallelism_reads_each_ranks_experts(tmp_path):
     _, folder = _mxfp4_checkpoint(tmp_path, vocab_size=64, output_router_logits=False)
     # Parity only: this model starts at ln(64), the entropy of the random tokens it trains on.
     spawn(workers.train_parity, 2, str(folder), 2, str(tmp_path / "out"), True, False)
+
+
+def test_unmasked_batches_take_moetune_sink_attention(tmp_path, monkeypatch):
+    """Without a mask (a plain training step) every layer applies its causal mask, sliding window
+    (4 here, shorter than the batch) and sinks itself (``moetune.layers.sink_attention``), and the
+    model still equals Transformers' masked eager attention."""
+    import moetune.models.gpt_oss.model as gpt_oss_model
+
+    calls = []
+    real = gpt_oss_model.sink_attention
+    monkeypatch.setattr(gpt_oss_model, "sink_attention", lambda *a, **k: calls.append(k["sliding_window"]) or real(*a, **k))
+    ref = reference()
+    check_training_parity(moetune.AutoModelForCausalLM.from_pretrained(save_with_transformers(ref, tmp_path)), ref, padded=False)
+    assert calls and set(calls) == {4, None}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's flash kernels)")
+@pytest.mark.parametrize("window", [128, None])
+def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window):
+    """GPT-OSS-20B's head layout (64 query / 8 key-value heads of 64), bf16: the flash kernels with
+    the sinks folded in against Transformers' eager math in fp32 (output and the gradients of q, k,
+    v and the sinks), no further off than the eager math in bf16."""
+    from moetune.layers.sink_attention import _eager_sink_attention, flash_sinks_supported, sink_attention
+    from tests.conftest import rel_err
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 64, 1000, 64, device="cuda")
+    k, v = torch.randn(2, 8, 1000, 64, device="cuda"), torch.randn(2, 8, 1000, 64, device="cuda")
+    sinks = torch.randn(64, device="cuda")
+    probe = torch.randn(2, 1000, 64, 64, device="cuda")
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
+        out = fn(*leaves, scaling=0.125, sliding_window=window)
+        return [out.detach().float(), *(g.float() for g in torch.autograd.grad((out.float() * probe).sum(), leaves))]
+
+    assert flash_sinks_supported(q.bfloat16())
+    reference = run(_eager_sink_attention, torch.float32)
+    eager_bf16 = run(_eager_sink_attention, torch.bfloat16)
+    flash_bf16 = run(sink_attention, torch.bfloat16)
+    for name, got, eager, ref in zip(("out", "dq", "dk", "dv", "dsinks"), flash_bf16, eager_bf16, reference):
+        assert rel_err(got, ref) <= max(1e-2, 1.5 * rel_err(eager, ref)), name

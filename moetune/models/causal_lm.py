@@ -87,6 +87,11 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
     takes_document_offsets: bool = False
     """Whether every layer's attention honours ``cu_seq_lens_q`` (the documents of packed rows)."""
 
+    attention_masks_itself: bool = False
+    """Whether every layer's attention, given no mask under eager attention, applies the causal mask
+    and its own sliding window itself (moetune's GPT-OSS attention), so that plain causal batches
+    need no mask from Transformers either."""
+
     def _init_decoder_backbone(self, config, *, pretrained_cls: type, layer_cls: type, norm_cls: type, rotary_cls: type) -> None:
         """Transformers' decoder-only ``XModel.__init__`` up to ``post_init`` (left to the caller):
         embeddings, ``layer_cls(config, i)`` per layer, the final ``norm_cls`` and RoPE, in
@@ -144,9 +149,10 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
 
     def _is_plain_causal(self, kwargs: dict) -> bool:
         config = self.config
+        masks_itself = self.attention_masks_itself and config._attn_implementation == "eager"
         return (
-            config._attn_implementation in _IS_CAUSAL_WITHOUT_MASK
-            and getattr(config, "sliding_window", None) is None
+            (masks_itself or (config._attn_implementation in _IS_CAUSAL_WITHOUT_MASK
+                              and getattr(config, "sliding_window", None) is None))
             and kwargs.get("attention_mask") is None
             and (kwargs.get("position_ids") is None or self._has_document_offsets(kwargs))
             and kwargs.get("cache") is None

@@ -220,7 +220,7 @@ def run_experts(
             rows = torch.arange(h_NX.shape[0], device=x.device, dtype=torch.int32)
             expert_N = torch.searchsorted(offsets_E, rows, right=True)  # E for padding rows
         h_NX = h_NX if in_bias is None else h_NX + _bias_rows(in_bias, expert_N)
-        a_NI = activate(h_NX, offsets_E[-1:])
+        a_NI = activate(h_NX, offsets_E[-1:]).to(h_NX.dtype)  # autocast runs some (relu2's pow) in fp32
         if backend == "triton":
             y_NH = GatheredGroupedMM.apply(a_NI, down_proj.transpose(-2, -1), None, offsets_E, 1, "auto", "triton")
         else:

@@ -8,7 +8,9 @@ alternating sliding windows, its fp32 RMSNorms, ``generate`` and the KV cache ar
 own; the sparse block is moetune's. The Hub stores the experts already fused, so loading needs no
 per-expert layout; its MXFP4 experts are dequantized to the model's dtype while loading (each
 process reads only its experts), as the brief asks for training. Transformers supports only eager / flex / flash-kernel attention for
-GPT-OSS (the sinks), so moetune's default attention here is eager.
+GPT-OSS (the sinks), so moetune's default attention here is eager; a training step without a mask
+or cache skips it for ``moetune.layers.sink_attention`` (torch's flash kernels with the sinks folded
+in on CUDA: no [heads, S, S] scores).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
 from moetune.checkpoint import CheckpointLayout
+from moetune.layers.sink_attention import sink_attention
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.moe import GroupedExperts, MoEBlock, TopKThenSoftmaxRouter
 
@@ -51,11 +54,32 @@ def build_moe_block(config) -> GptOssMoEBlock:
     )
 
 
+class GptOssAttention(hf.GptOssAttention):
+    """Transformers' attention (same parameters); called without a mask, cache or dropout under eager
+    attention (moetune's plain causal decoder loop), it applies the causal mask, its sliding window
+    and the sinks itself through ``sink_attention``. Anything else goes to Transformers' forward."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        cached = any(kwargs.get(name) is not None for name in ("past_key_values", "cache"))
+        dropout = self.attention_dropout if self.training else 0.0
+        if attention_mask is not None or cached or dropout or self.config._attn_implementation != "eager":
+            return super().forward(hidden_states, position_embeddings=position_embeddings,
+                                   attention_mask=attention_mask, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        q, k = hf.apply_rotary_pos_emb(q, k, *position_embeddings)
+        out = sink_attention(q, k, v, self.sinks, scaling=self.scaling, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(*input_shape, -1)), None
+
+
 class GptOssDecoderLayer(hf.GptOssDecoderLayer):
     def __init__(self, config, layer_idx: int) -> None:
         GradientCheckpointingLayer.__init__(self)
         self.hidden_size = config.hidden_size
-        self.self_attn = hf.GptOssAttention(config=config, layer_idx=layer_idx)
+        self.self_attn = GptOssAttention(config=config, layer_idx=layer_idx)
         self.mlp = build_moe_block(config)
         # GPT-OSS's norm multiplies by the weight before rounding (kept in fp32 in bf16 models):
         # Transformers' own module, not moetune's Qwen3-semantics kernel.
@@ -64,6 +88,8 @@ class GptOssDecoderLayer(hf.GptOssDecoderLayer):
 
 
 class GptOssModel(MoetuneBaseModelMixin, hf.GptOssModel):
+    attention_masks_itself = True
+
     def __init__(self, config) -> None:
         self._init_decoder_backbone(
             config,

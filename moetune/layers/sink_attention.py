@@ -1,0 +1,101 @@
+"""Causal attention with attention sinks (GPT-OSS) and an optional sliding window, without
+materialising the [heads, S, S] scores: torch's flash-attention kernels on CUDA, Transformers'
+eager math elsewhere.
+
+A sink is one more logit per head, ``s_h``, in every row's softmax, with no value: the output is
+the plain attention output O (softmax over the keys only) times ``w = sigmoid(lse - s_h)``, where
+``lse`` is the row's log-sum-exp over the keys, which the flash kernel returns. The backward is the
+flash kernel's own backward called with the incoming gradient scaled by ``w`` and the sink-scaled
+output: for softmax probabilities P, the gradient through O gives dS = P (g.V - g.O) with
+g = w dO, the gradient through ``lse`` adds c P with c = w (1 - w) (dO . O), and
+g.O - c = w^2 (dO . O) = g . (w O). The sink's own gradient is -sum c.
+
+Letters: B = rows, S = tokens, H = query heads, K = key/value heads, D = head dim, T = B x S.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+
+def flash_sinks_supported(q_BHSD: torch.Tensor) -> bool:
+    """torch's flash kernels: CUDA sm80+, bf16 / fp16, head dim a multiple of 8 up to 256."""
+    return (
+        q_BHSD.is_cuda
+        and q_BHSD.dtype in (torch.bfloat16, torch.float16)
+        and torch.cuda.get_device_capability(q_BHSD.device) >= (8, 0)
+        and q_BHSD.shape[-1] % 8 == 0
+        and q_BHSD.shape[-1] <= 256
+    )
+
+
+def sink_attention(
+    q_BHSD: torch.Tensor,
+    k_BKSD: torch.Tensor,
+    v_BKSD: torch.Tensor,
+    sinks_H: torch.Tensor,
+    *,
+    scaling: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention (each query sees the ``sliding_window`` latest keys, itself included, when
+    given) with one sink logit per head; returns [B, S, H, D] (Transformers' attention output
+    layout). Transformers' layouts in: q [B, H, S, D], k and v [B, K, S, D]."""
+    if flash_sinks_supported(q_BHSD):
+        B, H, S, D = q_BHSD.shape
+        to_rows = lambda t: t.transpose(1, 2).reshape(B * S, t.shape[1], D)  # noqa: E731
+        offsets = torch.arange(0, (B + 1) * S, S, device=q_BHSD.device, dtype=torch.int32)
+        out_THD = _FlashWithSinks.apply(
+            to_rows(q_BHSD), to_rows(k_BKSD), to_rows(v_BKSD), sinks_H, offsets, S, scaling,
+            -1 if sliding_window is None else sliding_window - 1,
+        )  # fmt: skip
+        return out_THD.view(B, S, H, D)
+    return _eager_sink_attention(q_BHSD, k_BKSD, v_BKSD, sinks_H, scaling=scaling, sliding_window=sliding_window)
+
+
+def _eager_sink_attention(q_BHSD, k_BKSD, v_BKSD, sinks_H, *, scaling, sliding_window):
+    """Transformers' GPT-OSS eager attention with the causal (and sliding) mask built here."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import repeat_kv
+
+    S, groups = q_BHSD.shape[2], q_BHSD.shape[1] // k_BKSD.shape[1]
+    q_idx = torch.arange(S, device=q_BHSD.device)[:, None]
+    kv_idx = torch.arange(S, device=q_BHSD.device)[None, :]
+    allowed_SS = kv_idx <= q_idx
+    if sliding_window is not None:
+        allowed_SS = allowed_SS & (q_idx - kv_idx < sliding_window)
+    scores = torch.matmul(q_BHSD, repeat_kv(k_BKSD, groups).transpose(2, 3)) * scaling
+    scores = scores.masked_fill(~allowed_SS, torch.finfo(scores.dtype).min)
+    sinks = sinks_H.reshape(1, -1, 1, 1).expand(q_BHSD.shape[0], -1, S, -1)
+    logits = torch.cat([scores, sinks], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(v_BKSD.dtype)
+    return torch.matmul(probs, repeat_kv(v_BKSD, groups)).transpose(1, 2).contiguous()
+
+
+class _FlashWithSinks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_THD, k_TKD, v_TKD, sinks_H, offsets, seq_len: int, scaling: float, window_left: int):
+        out_THD, lse_HT, rng_state, _, _ = torch.ops.aten._flash_attention_forward(
+            q_THD, k_TKD, v_TKD, offsets, offsets, seq_len, seq_len, 0.0, True,
+            return_debug_mask=False, scale=scaling, window_size_left=window_left, window_size_right=0,
+        )  # fmt: skip
+        lse_TH = lse_HT[:, : q_THD.shape[0]].transpose(0, 1).float()
+        keep_TH = torch.sigmoid(lse_TH - sinks_H.float())
+        ctx.save_for_backward(q_THD, k_TKD, v_TKD, out_THD, lse_HT, keep_TH, offsets, rng_state)
+        ctx.seq_len, ctx.scaling, ctx.window_left, ctx.sinks_dtype = seq_len, scaling, window_left, sinks_H.dtype
+        return (out_THD * keep_TH[..., None]).to(q_THD.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_THD):
+        q_THD, k_TKD, v_TKD, out_THD, lse_HT, keep_TH, offsets, rng_state = ctx.saved_tensors
+        grad_dot_out_TH = (grad_THD.float() * out_THD.float()).sum(-1)
+        scaled_grad = (grad_THD * keep_TH[..., None]).to(q_THD.dtype)
+        scaled_out = (out_THD * keep_TH[..., None]).to(q_THD.dtype)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            scaled_grad, q_THD, k_TKD, v_TKD, scaled_out, lse_HT, offsets, offsets, ctx.seq_len, ctx.seq_len,
+            0.0, True, rng_state, torch.empty(0, device=q_THD.device),
+            scale=ctx.scaling, window_size_left=ctx.window_left, window_size_right=0,
+        )  # fmt: skip
+        grad_sinks_H = -(grad_dot_out_TH * keep_TH * (1 - keep_TH)).sum(0)
+        return dq, dk, dv, grad_sinks_H.to(ctx.sinks_dtype), None, None, None, None
