@@ -28,6 +28,9 @@
 #                defaults; e.g. OPT_SWEEP="- replicate_bucket_mb=None replicate_bucket_mb=25,replicate_max_ctas=8")
 #     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/nccl_probe.py): NCCL,
 #                and copy-engine pushes into symmetric memory (--copy-engine)
+#     otherarch  rows B and C's setting for the other architectures, real routing, moetune eager with the
+#                all-gather dispatcher and replicated dense parameters: Nemotron 3 Nano and Moonlight-16B-A3B
+#                (DeepSeek-V3's architecture) at 16 layers, GPT-OSS-20B at 12
 #     recipe     `moetune finetune`'s own tokens/s, eager and with training.cuda_graph, on one GPU (8 layers)
 #                and on two (16 layers, ep=2) (benchmarks/recipe_probe.py; packed synthetic chat rows)
 set -uo pipefail
@@ -73,6 +76,13 @@ if stage paritygraph; then
   echo "== EP parity, all-gather dispatcher + replicated dense parameters, CUDA-graph replays"
   timeout 200 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/ep_parity.py --ep-dispatch "${PARITY_DISPATCH:-allgather}" \
     --dense-parallel replicate --cuda-graph ${PARITY_EXTRA---overlap-optimizer} 2>&1 | grep -E "RESULT|graph replay|Error|error" || status=1
+fi
+
+if stage otherarch; then
+  echo "== other architectures: ${NPROC} GPUs, Transformers + FSDP2 vs moetune ep=${NPROC} (eager), real routing"
+  for spec in nemotron_3_nano_30b_a3b:16 moonlight_16b_a3b:16 gpt_oss_20b:12; do
+    LAYERS="${spec#*:}" bench2 170 --config "${spec%%:*}" --routing real "${GRAPHABLE_EP[@]}"
+  done
 fi
 
 if stage rowBgraph; then

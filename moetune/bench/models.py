@@ -269,7 +269,7 @@ def build_hf(
 
         mesh = init_device_mesh(device.type, (world_size,))
         for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
+            _fully_shard_by_dtype(layer, fully_shard, mesh)
         fully_shard(model, mesh=mesh)
         notes["sharding"] = f"FSDP2 fully_shard on every decoder layer and the root, {world_size} ranks, no EP"
     model.train()
@@ -278,6 +278,17 @@ def build_hf(
         "hf", model, config, lambda balanced: hf_balanced_gate(enabled=balanced, top_k=top_k, model_type=model_type),
         notes=notes,
     )
+
+
+def _fully_shard_by_dtype(module: nn.Module, fully_shard: Callable, mesh) -> None:
+    """``fully_shard(module)``; FSDP2 wants one dtype per group, so where the module's parameters
+    mix dtypes (DeepSeek-V3's and Nemotron-H's fp32 routers, Mamba-2's fp32 A_log / D in a bf16
+    layer), its children are sharded first, each the same way, and the module keeps the rest."""
+    if len({p.dtype for p in module.parameters()}) > 1:
+        for child in module.children():
+            if next(child.parameters(), None) is not None:
+                _fully_shard_by_dtype(child, fully_shard, mesh)
+    fully_shard(module, mesh=mesh)
 
 
 def build_moetune(
