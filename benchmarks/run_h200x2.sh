@@ -31,6 +31,7 @@
 #     otherarch  rows B and C's setting for the other architectures, real routing, moetune eager with the
 #                all-gather dispatcher and replicated dense parameters: Nemotron 3 Nano and Moonlight-16B-A3B
 #                (DeepSeek-V3's architecture) at 16 layers, GPT-OSS-20B at 12
+#     otherarchgraph  the same, moetune's step replayed from CUDA graphs with the updates in the backward
 #     recipe     `moetune finetune`'s own tokens/s, eager and with training.cuda_graph, on one GPU (8 layers)
 #                and on two (16 layers, ep=2) (benchmarks/recipe_probe.py; packed synthetic chat rows)
 set -uo pipefail
@@ -82,6 +83,14 @@ if stage otherarch; then
   echo "== other architectures: ${NPROC} GPUs, Transformers + FSDP2 vs moetune ep=${NPROC} (eager), real routing"
   for spec in nemotron_3_nano_30b_a3b:16 moonlight_16b_a3b:16 gpt_oss_20b:12; do
     LAYERS="${spec#*:}" bench2 170 --config "${spec%%:*}" --routing real "${GRAPHABLE_EP[@]}"
+  done
+fi
+
+if stage otherarchgraph; then
+  echo "== other architectures: ${NPROC} GPUs, Transformers + FSDP2 vs moetune ep=${NPROC} (graphed), real routing"
+  for spec in nemotron_3_nano_30b_a3b:16 moonlight_16b_a3b:16 gpt_oss_20b:12; do
+    LAYERS="${spec#*:}" bench2 170 --config "${spec%%:*}" --routing real --moetune-cuda-graph --moetune-overlap-optimizer \
+      "${GRAPHABLE_EP[@]}"
   done
 fi
 
