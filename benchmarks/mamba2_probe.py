@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="print moetune's top kernels of one forward + backward")
     args = parser.parse_args()
 
     x32 = torch.randn(1, args.seq_len, 2688, device="cuda")
@@ -92,6 +93,13 @@ def main() -> None:
         step()
         record["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         record["eager_ms"] = time_ms(step, args.repeats)
+        if side == "moetune" and args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
         if side == "moetune":
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

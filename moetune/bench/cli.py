@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train Transformers v5 and moetune side by side and compare tokens/s/GPU, TFLOP/s, MFU and memory.",
     )
     p.add_argument(
-        "--config", default="qwen3_30b_a3b", help="shipped config (qwen3_30b_a3b, tiny), a config.json or a folder"
+        "--config", default="qwen3_30b_a3b", help="shipped config (qwen3_30b_a3b, tiny, nemotron_3_nano_30b_a3b, gpt_oss_20b, moonlight_16b_a3b), a config.json or a folder"
     )
     p.add_argument(
         "--layers", type=int, default=None, help=f"decoder layers (default: min({DEFAULT_LAYERS}, the config's))"

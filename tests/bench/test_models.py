@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+import transformers
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from moetune.bench.models import build_side, hf_balanced_gate, init_weights, load_config
+import moetune
+from moetune.bench.models import CONFIGS_DIR, build_side, hf_balanced_gate, init_weights, load_config
 from moetune.bench.run import tokens
 
 CPU = torch.device("cpu")
@@ -60,3 +63,17 @@ def test_balanced_patch_routes_slot_j_to_expert_j_mod_e_and_is_restored():
     assert torch.equal(experts.flatten(), torch.arange(10) % config.num_experts)
     assert torch.all(weights == 0.5)
     assert modeling_qwen3_moe.Qwen3MoeTopKRouter.forward is original
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in CONFIGS_DIR.glob("*.json")))
+def test_every_shipped_config_loads_cut_to_its_first_layers(name):
+    """Each shipped config reads through Transformers; ``layers`` cuts the per-layer kinds with it
+    (Nemotron-H derives its number of layers from its pattern), and both sides build on meta."""
+    _, config = load_config(name, layers=2)
+    assert config.num_hidden_layers == 2
+    if isinstance(getattr(config, "layer_types", None), list):
+        assert len(config.layer_types) == 2
+    with torch.device("meta"):
+        ours = moetune.AutoModelForCausalLM.from_config(config)
+        theirs = transformers.AutoModelForCausalLM.from_config(config)
+    assert {n for n, _ in ours.named_parameters()} == {n for n, _ in theirs.named_parameters()}

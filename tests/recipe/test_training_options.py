@@ -89,7 +89,7 @@ def test_packing_is_refused_for_layers_that_carry_state_across_documents(tiny_jo
 
 
 def test_nemotron_h_packed_rows_recompute_the_same_under_activation_checkpointing(tiny_job, tmp_path):
-    """The per-document Mamba-2 path inside a recomputed block gives the same losses."""
+    """The Mamba-2 path with packed documents kept apart, inside a recomputed block, gives the same losses."""
     from tests.test_nemotron_h_parity import tiny_nemotron_h_config
 
     tiny_nemotron_h_config(vocab_size=309, max_position_embeddings=512).save_pretrained(tmp_path / "model")
