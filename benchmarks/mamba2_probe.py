@@ -1,5 +1,6 @@
 """One Mamba-2 mixer of Nemotron 3 Nano (hidden 2688, 64 heads x 64, state 128, 8 groups, chunk 128),
-bf16, forward + backward: Transformers' torch path against moetune's (``moetune.layers.mamba2``).
+bf16, forward + backward: Transformers' torch path against moetune's (``moetune.layers.mamba2``),
+compiled (its default on CUDA) and eager.
 
 Prints and appends to --out (JSON lines) per side: median ms of forward + backward (eager), peak
 memory above the inputs and weights, and the relative error of the output and the input gradient
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import json
 import statistics
 import time
@@ -75,8 +77,10 @@ def main() -> None:
     out_ref = reference(x_ref)
     out_ref.backward(probe)
     records = []
-    for side in ("transformers", "moetune"):
-        mixer = build(torch.bfloat16, moetune_forward=side == "moetune")
+    for side in ("transformers", "moetune", "moetune_eager"):
+        # moetune's scan runs compiled on CUDA; "moetune_eager" is the same code without torch.compile
+        os.environ["MOETUNE_MAMBA2_COMPILE"] = "0" if side == "moetune_eager" else "1"
+        mixer = build(torch.bfloat16, moetune_forward=side != "transformers")
         x = x32.bfloat16().requires_grad_()
         step = functools.partial(forward_backward, mixer, x, probe.bfloat16())
         out = step()
@@ -100,7 +104,7 @@ def main() -> None:
                 step()
                 torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
-        if side == "moetune":
+        if side != "transformers":
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 step()

@@ -20,6 +20,9 @@ N = state size, D = channels of the convolution.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -73,9 +76,23 @@ def chunked_scan(
     """y_t = sum_{s <= t, same document} C_t . (prod_{s < k <= t} exp(dt_k A)) dt_s B_s x_s + D x_t,
     with dt = clamp(softplus(dt + dt_bias), dt_limit) (Transformers' ``mamba2_chunk_scan`` with
     ``dt_softplus=True``, no initial state). Returns fp32 [B, S, H, P]."""
+    scan = _compiled_scan() if x_BSHP.is_cuda and _compile_on_cuda() else _chunked_scan
     with torch.autocast(x_BSHP.device.type, enabled=False):  # fp32 throughout, as Transformers' path
-        return _chunked_scan(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size=chunk_size, D_H=D_H,
-                             dt_bias_H=dt_bias_H, dt_limit=dt_limit, seq_idx_BS=seq_idx_BS)
+        return scan(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, chunk_size=chunk_size, D_H=D_H,
+                    dt_bias_H=dt_bias_H, dt_limit=dt_limit, seq_idx_BS=seq_idx_BS)
+
+
+def _compile_on_cuda() -> bool:
+    """On CUDA the scan runs compiled (inductor fuses the elementwise passes over the [chunk, chunk]
+    tensors, which dominate it eagerly); ``MOETUNE_MAMBA2_COMPILE=0`` keeps it eager."""
+    return os.environ.get("MOETUNE_MAMBA2_COMPILE", "1") != "0"
+
+
+@functools.cache
+def _compiled_scan():
+    # One graph per shape (no dynamic shapes: training shapes are few and fixed); torch's recompile
+    # limit sends further shapes to the eager function.
+    return torch.compile(_chunked_scan, dynamic=False, fullgraph=True)
 
 
 def _chunked_scan(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, *, chunk_size, D_H, dt_bias_H, dt_limit, seq_idx_BS):
