@@ -215,3 +215,27 @@ def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window):
     flash_bf16 = run(sink_attention, torch.bfloat16)
     for name, got, eager, ref in zip(("out", "dq", "dk", "dv", "dsinks"), flash_bf16, eager_bf16, reference):
         assert rel_err(got, ref) <= max(1e-2, 1.5 * rel_err(eager, ref)), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's flash kernels)")
+def test_fp32_weights_under_bf16_autocast_take_the_flash_sink_attention(tmp_path, monkeypatch):
+    """The recipe's default precision on GPU: RoPE's fp32 cos / sin promote q and k to fp32, and the
+    attention still runs the flash kernels in bf16 (not the eager fp32 scores), as close to the
+    fp32 model as Transformers' eager attention under the same autocast."""
+    import moetune.layers.sink_attention as sink_module
+    from tests.conftest import rel_err
+
+    flash_calls = []
+    real_apply = sink_module._FlashWithSinks.apply
+    monkeypatch.setattr(sink_module._FlashWithSinks, "apply", lambda *a: flash_calls.append(1) or real_apply(*a))
+    ref = reference(hidden_size=64, intermediate_size=32).cuda()
+    ours = moetune.AutoModelForCausalLM.from_pretrained(save_with_transformers(ref, tmp_path)).cuda().train()
+    ids = torch.randint(0, 96, (2, 40), device="cuda")
+    with torch.no_grad():
+        exact = ref(input_ids=ids).logits
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            theirs = ref(input_ids=ids).logits.float()
+            got = ours(input_ids=ids, return_logits=True).logits.float()
+    assert flash_calls
+    assert rel_err(got, exact) <= max(1e-2, 1.5 * rel_err(theirs, exact))

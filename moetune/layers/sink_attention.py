@@ -41,7 +41,12 @@ def sink_attention(
 ) -> torch.Tensor:
     """Causal attention (each query sees the ``sliding_window`` latest keys, itself included, when
     given) with one sink logit per head; returns [B, S, H, D] (Transformers' attention output
-    layout). Transformers' layouts in: q [B, H, S, D], k and v [B, K, S, D]."""
+    layout). Transformers' layouts in: q [B, H, S, D], k and v [B, K, S, D]. Under CUDA autocast the
+    projections run in autocast's dtype but RoPE's fp32 cos / sin promote q and k back to fp32:
+    they are cast to autocast's dtype here, as SDPA would."""
+    if q_BHSD.is_cuda and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        q_BHSD, k_BKSD, v_BKSD = q_BHSD.to(dtype), k_BKSD.to(dtype), v_BKSD.to(dtype)
     if flash_sinks_supported(q_BHSD):
         B, H, S, D = q_BHSD.shape
         to_rows = lambda t: t.transpose(1, 2).reshape(B * S, t.shape[1], D)  # noqa: E731
