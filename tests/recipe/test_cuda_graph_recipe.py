@@ -133,3 +133,19 @@ def test_several_processes_need_the_capturable_expert_parallel_settings():
     capturable = load_config(overrides=["training.cuda_graph=true", "distributed.ep_size=2",
                                         "distributed.ep_dispatch=allgather", "distributed.dense_parallel=replicate"])
     _check_graph_sharding(capturable, two)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the graphs are captured and replayed)")
+def test_graphed_recipe_on_gpu_resumes_exactly_and_trains_lora(tiny_job, tmp_path):
+    """Replayed graphs on CUDA: a run stopped at step 3 and resumed continues with the losses of the
+    uninterrupted graphed run; LoRA (adapters only trainable) follows its eager run."""
+    gpu = {"training__device": "cuda", "training__cuda_graph": "true"}
+    full = finetune(tiny_job(tmp_path / "full", training__steps=6, **gpu))
+    finetune(tiny_job(tmp_path / "resume", training__steps=3, checkpoint__every=3, **gpu))
+    resumed = finetune(tiny_job(tmp_path / "resume", training__steps=6, checkpoint__resume="auto", **gpu))
+    assert resumed.losses == pytest.approx(full.losses[3:], rel=1e-3)
+    lora = {"training__steps": 5, "lora__enabled": "true", "checkpoint__export_final": "false", "training__device": "cuda"}
+    eager = finetune(tiny_job(tmp_path / "lora_eager", **lora))
+    graphed = finetune(tiny_job(tmp_path / "lora_graphed", training__cuda_graph="true", **lora))
+    assert graphed.losses == pytest.approx(eager.losses, rel=1e-3)
