@@ -64,3 +64,19 @@ def test_in_backward_equals_step_after_backward():
         opt_b.step()
     for a, b in zip(model_a.parameters(), model_b.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_one_parameter_steps_use_the_loaded_groups():
+    """``step_parameter`` (the updates inside the backward) after ``load_state_dict`` reads the
+    loaded hyper-parameters, not the replaced groups' (a resume that changes the rate)."""
+    param = torch.nn.Parameter(torch.ones(4))
+    optimizer = AdamW([param], lr=0.1)
+    param.grad = torch.ones(4)
+    optimizer.step_parameter(param)
+    state = optimizer.state_dict()
+    state["param_groups"][0]["lr"] = 0.0
+    optimizer.load_state_dict(state)
+    before = param.detach().clone()
+    param.grad = torch.ones(4)
+    optimizer.step_parameter(param)
+    assert torch.equal(param.detach(), before)

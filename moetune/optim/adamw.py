@@ -91,6 +91,16 @@ class AdamW(torch.optim.Optimizer):
                 device = group["params"][0].device
                 group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(device)
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, then each capturable group's rate back to a float32 tensor on its
+        parameters' device (a checkpoint may hold it as a number or a CPU tensor)."""
+        super().load_state_dict(state_dict)
+        self._groups_by_param = None  # torch replaced the group dicts
+        for group in self.param_groups:
+            if group.get("capturable") and group["params"]:
+                device = group["params"][0].device
+                group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(device)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
@@ -134,8 +144,13 @@ class AdamW(torch.optim.Optimizer):
         self._init_state(param, group)  # AdamWInBackward steps one parameter at a time
         local = _local(param)
         if group["capturable"]:  # step already incremented on the device (``step``)
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor) and lr.device != local.device:
+                # torch.distributed.checkpoint primes an empty optimizer with one step at a CPU
+                # zero rate before loading into it (resume); the kernel reads device memory only.
+                lr = lr.to(local.device)
             _triton_step(local, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                         lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
                          weight_decay=group["weight_decay"], step=state["step"])  # fmt: skip
         elif HAS_TRITON and local.is_cuda and local.is_contiguous() and _local(param.grad).is_contiguous():
             state["step"] += 1
@@ -191,6 +206,16 @@ class AdamWInBackward(AdamW):
                 self.step_parameter(param)
             grad.record_stream(self._stream)  # the allocator must not reuse it before the update ran
         param.grad = None
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, then each capturable group's rate back to a float32 tensor on its
+        parameters' device (a checkpoint may hold it as a number or a CPU tensor)."""
+        super().load_state_dict(state_dict)
+        self._groups_by_param = None  # torch replaced the group dicts
+        for group in self.param_groups:
+            if group.get("capturable") and group["params"]:
+                device = group["params"][0].device
+                group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(device)
 
     @torch.no_grad()
     def step(self, closure=None):
