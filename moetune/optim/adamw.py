@@ -207,16 +207,6 @@ class AdamWInBackward(AdamW):
             grad.record_stream(self._stream)  # the allocator must not reuse it before the update ran
         param.grad = None
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load, then each capturable group's rate back to a float32 tensor on its
-        parameters' device (a checkpoint may hold it as a number or a CPU tensor)."""
-        super().load_state_dict(state_dict)
-        self._groups_by_param = None  # torch replaced the group dicts
-        for group in self.param_groups:
-            if group.get("capturable") and group["params"]:
-                device = group["params"][0].device
-                group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(device)
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = _run_closure(closure)
