@@ -87,6 +87,12 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
     takes_document_offsets: bool = False
     """Whether every layer's attention honours ``cu_seq_lens_q`` (the documents of packed rows)."""
 
+    embedding_name: str = "embed_tokens"
+    final_norm_name: str = "norm"
+    """The backbone's input embedding and final norm attributes (Nemotron-H: ``embeddings``,
+    ``norm_f``); a backbone without ``rotary_emb`` (Nemotron-H's attention has no RoPE) gets no
+    position embeddings in the plain loop."""
+
     attention_masks_itself: bool = False
     """Whether every layer's attention, given no mask under eager attention, applies the causal mask
     and its own sliding window itself (moetune's GPT-OSS attention), so that plain causal batches
@@ -125,17 +131,17 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = getattr(self, self.embedding_name)(input_ids)
         if position_ids is None:
             position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        rotary = getattr(self, "rotary_emb", None)
+        if rotary is not None:
+            kwargs["position_embeddings"] = rotary(inputs_embeds, position_ids)
         hidden = inputs_embeds
         for layer in self.layers[: self.config.num_hidden_layers]:
-            hidden = layer(
-                hidden, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings, **kwargs
-            )
+            hidden = layer(hidden, attention_mask=None, position_ids=position_ids, **kwargs)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden))
+        return MoeModelOutputWithPast(last_hidden_state=getattr(self, self.final_norm_name)(hidden))
 
     def _has_document_offsets(self, kwargs: dict) -> bool:
         if kwargs.get(OFFSETS_KEY) is None or not self.takes_document_offsets:
@@ -160,7 +166,7 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
             and not kwargs.get("use_cache", getattr(config, "use_cache", False))
             and not kwargs.get("output_hidden_states", getattr(config, "output_hidden_states", False))
             and not kwargs.get("output_attentions", getattr(config, "output_attentions", False))
-            and all(hasattr(self, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
+            and all(hasattr(self, name) for name in (self.embedding_name, "layers", self.final_norm_name))
         )
 
 

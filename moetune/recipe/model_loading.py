@@ -50,8 +50,8 @@ def check_model_for_job(model_config: PretrainedConfig, *, packing: bool, cuda_g
     - Packed rows need every layer to keep documents apart. Attention does (offsets or a mask);
       Transformers' recurrent layers (Mamba-2 and the like) carry their state and convolution across
       the boundary, so one document would leak into the next (measured: the second document's logits
-      moved by 0.1 on a tiny Transformers Nemotron-H). moetune's Nemotron-H runs each document alone
-      (``keeps_packed_documents_apart``); other models with such layers are refused.
+      moved by 0.1 on a tiny Transformers Nemotron-H). moetune's Nemotron-H keeps each document
+      apart in them (``keeps_packed_documents_apart``); other models with such layers are refused.
     - A CUDA-graph step cannot capture Transformers' mask preparation for packed rows (it reads the
       positions on the host): it needs an attention that takes the offsets."""
     from moetune.flops import meta_model
@@ -68,7 +68,8 @@ def check_model_for_job(model_config: PretrainedConfig, *, packing: bool, cuda_g
     if cuda_graph and not takes_offsets:
         raise ValueError(
             f"config field training.cuda_graph: {type(model).__name__} derives packed rows' attention masks on the "
-            "host, which a CUDA graph cannot capture; moetune's Qwen3-MoE takes the documents' offsets instead. Set "
+            "host, which a CUDA graph cannot capture; moetune's Qwen3-MoE and Nemotron-H take the documents' offsets "
+            "instead. Set "
             "training.cuda_graph false for this model.")
     return takes_offsets
 

@@ -13,13 +13,12 @@ them. The multi-token-prediction weights (``mtp.*``) are ignored, as Transformer
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
 from moetune.checkpoint import CheckpointLayout, FusedExpertParam
+from moetune.layers.document_attention import DOCUMENT_KEYS, OFFSETS_KEY, document_causal_attention
 from moetune.layers.mamba2 import causal_conv1d, chunked_scan, document_ids
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.models.deepseek_v3.model import build_router
@@ -107,8 +106,25 @@ class NemotronHMamba2Mixer(hf.NemotronHMamba2Mixer):
         return self.out_proj(y.to(hidden_states.dtype))
 
 
-# Transformers >= 5.2x hands every block the position_ids, where packed rows' documents restart.
-_BLOCKS_SEE_POSITIONS = "position_ids" in inspect.signature(hf.NemotronHBlock.forward).parameters
+class NemotronHAttention(hf.NemotronHAttention):
+    """Transformers' attention (no RoPE in Nemotron-H); given packed documents' offsets
+    (``cu_seq_lens_q``) and no KV cache, attention stays inside each document without a mask
+    (``moetune.layers.document_attention``). Anything else goes to Transformers' forward."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, *args, **kwargs):
+        offsets_N, max_length = kwargs.pop(OFFSETS_KEY, None), kwargs.pop("max_length_q", None)
+        for name in DOCUMENT_KEYS:
+            kwargs.pop(name, None)
+        cached = any(kwargs.get(name) is not None for name in ("cache", "past_key_values"))
+        if offsets_N is None or cached or args or attention_mask is not None:
+            return super().forward(hidden_states, attention_mask, *args, **kwargs)
+        hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        out_BSHD = document_causal_attention(
+            self.q_proj(hidden_states).view(hidden_shape), self.k_proj(hidden_states).view(hidden_shape),
+            self.v_proj(hidden_states).view(hidden_shape), offsets_N,
+            max_length=max_length or hidden_states.shape[1], scaling=self.scaling,
+        )  # fmt: skip
+        return self.o_proj(out_BSHD.reshape(*hidden_states.shape[:-1], -1)), None
 
 
 class NemotronHBlock(hf.NemotronHBlock):
@@ -124,6 +140,8 @@ class NemotronHBlock(hf.NemotronHBlock):
             self.mixer = build_moe_block(config)
         elif type(self.mixer) is hf.NemotronHMamba2Mixer:
             self.mixer.__class__ = NemotronHMamba2Mixer  # adds a forward only: no state to move
+        elif type(self.mixer) is hf.NemotronHAttention:
+            self.mixer.__class__ = NemotronHAttention
 
     def forward(self, hidden_states, *args, **kwargs):
         position_ids = kwargs.get("position_ids")
@@ -140,6 +158,9 @@ class NemotronHBlock(hf.NemotronHBlock):
 
 
 class NemotronHModel(MoetuneBaseModelMixin, hf.NemotronHModel):
+    takes_document_offsets = True
+    embedding_name, final_norm_name = "embeddings", "norm_f"
+
     def __init__(self, config) -> None:
         hf.NemotronHPreTrainedModel.__init__(self, config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -151,8 +172,10 @@ class NemotronHModel(MoetuneBaseModelMixin, hf.NemotronHModel):
 class NemotronHForCausalLM(MoetuneCausalLMMixin, hf.NemotronHForCausalLM):
     """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable."""
 
-    keeps_packed_documents_apart = _BLOCKS_SEE_POSITIONS
-    """Whether packed rows' documents stay apart in the Mamba-2 layers too (see NemotronHBlock)."""
+    keeps_packed_documents_apart = True
+    """Packed rows' documents stay apart in the Mamba-2 layers too (see NemotronHBlock): given their
+    offsets, moetune's decoder loop hands every block the position_ids (Transformers' own forward
+    does from 5.1x on)."""
 
     checkpoint_layout = CHECKPOINT_LAYOUT
     computes_aux_loss = False
