@@ -190,12 +190,14 @@ def test_unmasked_batches_take_moetune_sink_attention(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's flash kernels)")
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("window", [128, None])
-def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window):
+def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window, packed):
     """GPT-OSS-20B's head layout (64 query / 8 key-value heads of 64), bf16: the flash kernels with
     the sinks folded in against Transformers' eager math in fp32 (output and the gradients of q, k,
-    v and the sinks), no further off than the eager math in bf16."""
-    from moetune.layers.sink_attention import _eager_sink_attention, flash_sinks_supported, sink_attention
+    v and the sinks), no further off than the eager math in bf16; packed: documents of 300, 200 and
+    500 tokens per row, offsets padded with repeats."""
+    from moetune.layers.sink_attention import _allowed_keys, _eager_sink_attention, flash_sinks_supported, sink_attention
     from tests.conftest import rel_err
 
     torch.manual_seed(0)
@@ -203,18 +205,27 @@ def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window):
     k, v = torch.randn(2, 8, 1000, 64, device="cuda"), torch.randn(2, 8, 1000, 64, device="cuda")
     sinks = torch.randn(64, device="cuda")
     probe = torch.randn(2, 1000, 64, 64, device="cuda")
+    offsets = torch.tensor([0, 300, 500, 1000, 1300, 1500, 2000, 2000, 2000], device="cuda") if packed else None
+    allowed = _allowed_keys(2, 1000, sliding_window=window, offsets_N=offsets, device=q.device)
+
+    def flash(*leaves):
+        return sink_attention(*leaves, scaling=0.125, sliding_window=window, offsets_N=offsets,
+                              max_length=500 if packed else None)
+
+    def eager(*leaves):
+        return _eager_sink_attention(*leaves, scaling=0.125, allowed_BSS=allowed)
 
     def run(fn, dtype):
         leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
-        out = fn(*leaves, scaling=0.125, sliding_window=window)
+        out = fn(*leaves)
         return [out.detach().float(), *(g.float() for g in torch.autograd.grad((out.float() * probe).sum(), leaves))]
 
     assert flash_sinks_supported(q.bfloat16())
-    reference = run(_eager_sink_attention, torch.float32)
-    eager_bf16 = run(_eager_sink_attention, torch.bfloat16)
-    flash_bf16 = run(sink_attention, torch.bfloat16)
-    for name, got, eager, ref in zip(("out", "dq", "dk", "dv", "dsinks"), flash_bf16, eager_bf16, reference):
-        assert rel_err(got, ref) <= max(1e-2, 1.5 * rel_err(eager, ref)), name
+    reference = run(eager, torch.float32)
+    eager_bf16 = run(eager, torch.bfloat16)
+    flash_bf16 = run(flash, torch.bfloat16)
+    for name, got, eager_err, ref in zip(("out", "dq", "dk", "dv", "dsinks"), flash_bf16, eager_bf16, reference):
+        assert rel_err(got, ref) <= max(1e-2, 1.5 * rel_err(eager_err, ref)), name
 
 
 @pytest.mark.gpu
@@ -239,3 +250,36 @@ def test_fp32_weights_under_bf16_autocast_take_the_flash_sink_attention(tmp_path
             got = ours(input_ids=ids, return_logits=True).logits.float()
     assert flash_calls
     assert rel_err(got, exact) <= max(1e-2, 1.5 * rel_err(theirs, exact))
+
+
+def test_packed_rows_with_offsets_equal_each_document_alone(tmp_path):
+    """Packed rows with their documents' offsets (what the recipe passes): each document's logits
+    and the gradients equal Transformers run on the documents one by one (sinks, the sliding window
+    of 4 inside longer documents, full attention), with no mask from anyone."""
+    from tests.conftest import rel_err
+
+    ref = reference(output_router_logits=False)
+    ours = moetune.AutoModelForCausalLM.from_pretrained(save_with_transformers(ref, tmp_path))
+    assert ours.model.takes_document_offsets
+    torch.manual_seed(3)
+    rows = [[9, 7], [16], [3, 5, 8]]  # documents per row, 16 tokens each
+    ids = torch.randint(3, 96, (3, 16))
+    positions = torch.tensor([[p for n in row for p in range(n)] for row in rows])
+    lengths = torch.tensor([n for row in rows for n in row])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).int()
+    got = ours(input_ids=ids, position_ids=positions, cu_seq_lens_q=offsets, max_length_q=16, return_logits=True,
+               use_cache=False)
+    loss, ours_loss = 0.0, 0.0
+    for r, row in enumerate(rows):
+        start = 0
+        for n in row:
+            alone = ref(input_ids=ids[r:r + 1, start:start + n])
+            assert rel_err(got.logits[r, start:start + n], alone.logits[0]) < TOL, (r, start)
+            loss = loss + alone.logits.square().mean()
+            ours_loss = ours_loss + got.logits[r:r + 1, start:start + n].square().mean()
+            start += n
+    expected = torch.autograd.grad(loss, list(ref.parameters()))
+    ours_loss.backward()
+    params = dict(ours.named_parameters())
+    for (name, _), grad in zip(ref.named_parameters(), expected):
+        assert rel_err(params[name].grad, grad) < TOL, name

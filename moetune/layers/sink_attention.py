@@ -38,39 +38,60 @@ def sink_attention(
     *,
     scaling: float,
     sliding_window: int | None = None,
+    offsets_N: torch.Tensor | None = None,
+    max_length: int | None = None,
 ) -> torch.Tensor:
     """Causal attention (each query sees the ``sliding_window`` latest keys, itself included, when
     given) with one sink logit per head; returns [B, S, H, D] (Transformers' attention output
     layout). Transformers' layouts in: q [B, H, S, D], k and v [B, K, S, D]. Under CUDA autocast the
     projections run in autocast's dtype but RoPE's fp32 cos / sin promote q and k back to fp32:
-    they are cast to autocast's dtype here, as SDPA would."""
+    they are cast to autocast's dtype here, as SDPA would.
+
+    Packed rows: ``offsets_N`` (``cu_seq_lens_q``: the documents' starts in the flattened batch and
+    its end, possibly padded with repeats) keeps each query inside its document; ``max_length`` is
+    the longest document (the row length when not given)."""
     if q_BHSD.is_cuda and torch.is_autocast_enabled("cuda"):
         dtype = torch.get_autocast_dtype("cuda")
         q_BHSD, k_BKSD, v_BKSD = q_BHSD.to(dtype), k_BKSD.to(dtype), v_BKSD.to(dtype)
+    B, H, S, D = q_BHSD.shape
     if flash_sinks_supported(q_BHSD):
-        B, H, S, D = q_BHSD.shape
         to_rows = lambda t: t.transpose(1, 2).reshape(B * S, t.shape[1], D)  # noqa: E731
-        offsets = torch.arange(0, (B + 1) * S, S, device=q_BHSD.device, dtype=torch.int32)
+        if offsets_N is None:
+            offsets_N, max_length = torch.arange(0, (B + 1) * S, S, device=q_BHSD.device), S
         out_THD = _FlashWithSinks.apply(
-            to_rows(q_BHSD), to_rows(k_BKSD), to_rows(v_BKSD), sinks_H, offsets, S, scaling,
-            -1 if sliding_window is None else sliding_window - 1,
+            to_rows(q_BHSD), to_rows(k_BKSD), to_rows(v_BKSD), sinks_H, offsets_N.to(torch.int32),
+            max_length or S, scaling, -1 if sliding_window is None else sliding_window - 1,
         )  # fmt: skip
         return out_THD.view(B, S, H, D)
-    return _eager_sink_attention(q_BHSD, k_BKSD, v_BKSD, sinks_H, scaling=scaling, sliding_window=sliding_window)
+    allowed_BSS = _allowed_keys(B, S, sliding_window=sliding_window, offsets_N=offsets_N, device=q_BHSD.device)
+    return _eager_sink_attention(q_BHSD, k_BKSD, v_BKSD, sinks_H, scaling=scaling, allowed_BSS=allowed_BSS)
 
 
-def _eager_sink_attention(q_BHSD, k_BKSD, v_BKSD, sinks_H, *, scaling, sliding_window):
-    """Transformers' GPT-OSS eager attention with the causal (and sliding) mask built here."""
+def _allowed_keys(B: int, S: int, *, sliding_window: int | None, offsets_N: torch.Tensor | None,
+                  device: torch.device) -> torch.Tensor:
+    """[B or 1, S, S]: key s is visible to query t (causal, inside the window and t's document)."""
+    q_idx = torch.arange(S, device=device)[:, None]
+    kv_idx = torch.arange(S, device=device)[None, :]
+    allowed = (kv_idx <= q_idx)[None]
+    if sliding_window is not None:
+        allowed = allowed & (q_idx - kv_idx < sliding_window)
+    if offsets_N is not None:
+        tokens_T = torch.arange(B * S, device=device)
+        document_BS = torch.searchsorted(offsets_N.to(device)[1:].contiguous(), tokens_T, right=True).view(B, S)
+        allowed = allowed & (document_BS[:, :, None] == document_BS[:, None, :])
+    return allowed
+
+
+def _eager_sink_attention(q_BHSD, k_BKSD, v_BKSD, sinks_H, *, scaling, allowed_BSS=None, sliding_window=None):
+    """Transformers' GPT-OSS eager attention with the mask built here (``allowed_BSS``, else the
+    causal mask with ``sliding_window``)."""
     from transformers.models.gpt_oss.modeling_gpt_oss import repeat_kv
 
-    S, groups = q_BHSD.shape[2], q_BHSD.shape[1] // k_BKSD.shape[1]
-    q_idx = torch.arange(S, device=q_BHSD.device)[:, None]
-    kv_idx = torch.arange(S, device=q_BHSD.device)[None, :]
-    allowed_SS = kv_idx <= q_idx
-    if sliding_window is not None:
-        allowed_SS = allowed_SS & (q_idx - kv_idx < sliding_window)
+    B, S, groups = q_BHSD.shape[0], q_BHSD.shape[2], q_BHSD.shape[1] // k_BKSD.shape[1]
+    if allowed_BSS is None:
+        allowed_BSS = _allowed_keys(B, S, sliding_window=sliding_window, offsets_N=None, device=q_BHSD.device)
     scores = torch.matmul(q_BHSD, repeat_kv(k_BKSD, groups).transpose(2, 3)) * scaling
-    scores = scores.masked_fill(~allowed_SS, torch.finfo(scores.dtype).min)
+    scores = scores.masked_fill(~allowed_BSS[:, None], torch.finfo(scores.dtype).min)
     sinks = sinks_H.reshape(1, -1, 1, 1).expand(q_BHSD.shape[0], -1, S, -1)
     logits = torch.cat([scores, sinks], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values

@@ -151,12 +151,16 @@ def test_graphed_recipe_on_gpu_resumes_exactly_and_trains_lora(tiny_job, tmp_pat
     assert graphed.losses == pytest.approx(eager.losses, rel=1e-3)
 
 
-def test_graphed_step_trains_nemotron_h_as_the_eager_step(tiny_job, tmp_path):
-    """Nemotron-H takes the documents' offsets (attention by offsets, Mamba-2 by document ids on
-    the device), so the graphed step accepts it and computes what the eager step computes."""
+@pytest.mark.parametrize("family", ["nemotron_h", "gpt_oss"])
+def test_graphed_step_trains_other_offset_taking_families_as_the_eager_step(tiny_job, tmp_path, family):
+    """Nemotron-H (attention by offsets, Mamba-2 by document ids on the device) and GPT-OSS (sinks
+    and sliding windows inside each document) take the documents' offsets, so the graphed step
+    accepts them and computes what the eager step computes."""
+    from tests.test_gpt_oss_parity import tiny_gpt_oss_config
     from tests.test_nemotron_h_parity import tiny_nemotron_h_config
 
-    tiny_nemotron_h_config(vocab_size=309, max_position_embeddings=512).save_pretrained(tmp_path / "model")
+    make_config = {"nemotron_h": tiny_nemotron_h_config, "gpt_oss": tiny_gpt_oss_config}[family]
+    make_config(vocab_size=309, max_position_embeddings=512).save_pretrained(tmp_path / "model")
     options = {"model__config_path": tmp_path / "model", "training__steps": 3}
     eager = finetune(tiny_job(tmp_path / "eager", **options))
     graphed = finetune(tiny_job(tmp_path / "graphed", training__cuda_graph="true", **options))

@@ -20,6 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
 from moetune.checkpoint import CheckpointLayout
+from moetune.layers.document_attention import DOCUMENT_KEYS, OFFSETS_KEY
 from moetune.layers.sink_attention import sink_attention
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.moe import GroupedExperts, MoEBlock, TopKThenSoftmaxRouter
@@ -57,9 +58,13 @@ def build_moe_block(config) -> GptOssMoEBlock:
 class GptOssAttention(hf.GptOssAttention):
     """Transformers' attention (same parameters); called without a mask, cache or dropout under eager
     attention (moetune's plain causal decoder loop), it applies the causal mask, its sliding window
-    and the sinks itself through ``sink_attention``. Anything else goes to Transformers' forward."""
+    and the sinks itself through ``sink_attention``, inside each document given packed rows'
+    offsets (``cu_seq_lens_q``). Anything else goes to Transformers' forward."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        offsets_N, max_length = kwargs.pop(OFFSETS_KEY, None), kwargs.pop("max_length_q", None)
+        for name in DOCUMENT_KEYS:
+            kwargs.pop(name, None)
         cached = any(kwargs.get(name) is not None for name in ("past_key_values", "cache"))
         dropout = self.attention_dropout if self.training else 0.0
         if attention_mask is not None or cached or dropout or self.config._attn_implementation != "eager":
@@ -71,7 +76,8 @@ class GptOssAttention(hf.GptOssAttention):
         k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         q, k = hf.apply_rotary_pos_emb(q, k, *position_embeddings)
-        out = sink_attention(q, k, v, self.sinks, scaling=self.scaling, sliding_window=self.sliding_window)
+        out = sink_attention(q, k, v, self.sinks, scaling=self.scaling, sliding_window=self.sliding_window,
+                             offsets_N=offsets_N, max_length=max_length)
         return self.o_proj(out.reshape(*input_shape, -1)), None
 
 
@@ -89,6 +95,7 @@ class GptOssDecoderLayer(hf.GptOssDecoderLayer):
 
 class GptOssModel(MoetuneBaseModelMixin, hf.GptOssModel):
     attention_masks_itself = True
+    takes_document_offsets = True
 
     def __init__(self, config) -> None:
         self._init_decoder_backbone(
