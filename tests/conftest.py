@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -220,3 +221,37 @@ def quantize_fp8_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e4m3"}
     (folder / "config.json").write_text(json.dumps(config))
     return expected
+
+
+def check_packed_documents_parity(ours, ref, *, offsets: bool = True, forward_context=contextlib.nullcontext,
+                                  tol: float = 1e-5) -> None:
+    """Packed rows (position_ids restarting per document, no mask; with ``offsets`` also the
+    documents' ``cu_seq_lens_q`` / ``max_length_q``, what the recipe passes): each document's logits
+    and the gradients of a loss over them equal Transformers run on the documents one by one.
+    ``forward_context()`` wraps moetune's forward only (e.g. forbidding mask preparation)."""
+    ref.train()
+    ours.train()
+    torch.manual_seed(3)
+    rows = [[9, 7], [16], [3, 5, 8]]  # documents per row, 16 tokens each
+    ids = torch.randint(3, ref.config.vocab_size, (3, 16))
+    inputs = {"input_ids": ids, "position_ids": torch.tensor([[p for n in row for p in range(n)] for row in rows])}
+    if offsets:
+        lengths = torch.tensor([n for row in rows for n in row])
+        inputs["cu_seq_lens_q"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).int()
+        inputs["max_length_q"] = 16
+    with forward_context():
+        got = ours(**inputs, return_logits=True, use_cache=False)
+    expected_loss, ours_loss = 0.0, 0.0
+    for r, row in enumerate(rows):
+        start = 0
+        for n in row:
+            alone = ref(input_ids=ids[r:r + 1, start:start + n], use_cache=False)
+            assert rel_err(got.logits[r, start:start + n], alone.logits[0]) < tol, (r, start)
+            expected_loss = expected_loss + alone.logits.square().mean()
+            ours_loss = ours_loss + got.logits[r:r + 1, start:start + n].square().mean()
+            start += n
+    expected = torch.autograd.grad(expected_loss, list(ref.parameters()))
+    ours_loss.backward()
+    params = dict(ours.named_parameters())
+    for (name, _), grad in zip(ref.named_parameters(), expected):
+        assert rel_err(params[name].grad, grad) < tol, name

@@ -15,6 +15,7 @@ import moetune
 from moetune.models.deepseek_v3.model import DeepseekV3ForCausalLM
 from moetune.moe import GroupLimitedSigmoidRouter
 from tests.conftest import (
+    check_packed_documents_parity,
     quantize_fp8_checkpoint,
     check_bf16_cuda_training_parity,
     check_generation_and_reload,
@@ -194,3 +195,14 @@ def test_fp8_under_expert_parallelism_reads_each_ranks_blocks(tmp_path):
 
     folder, _ = _fp8_checkpoint(tmp_path, vocab_size=64)
     spawn(workers.train_parity, 2, str(folder), 2, str(tmp_path / "out"), True, False)
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None], ids=["q_lora", "q_proj"])
+def test_packed_rows_with_offsets_equal_each_document_alone(tmp_path, q_lora_rank):
+    """Packed rows with their documents' offsets (what the recipe passes): the latent attention
+    stays inside each document (values narrower than queries: the masked SDPA path), and
+    Transformers prepares no mask."""
+    ref = reference(q_lora_rank=q_lora_rank)
+    ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path, "per-expert"))
+    assert ours.model.takes_document_offsets
+    check_packed_documents_parity(ours, ref)

@@ -13,6 +13,7 @@ from moetune.models.gpt_oss.model import GptOssForCausalLM
 from moetune.moe import GroupedExperts, TopKThenSoftmaxRouter
 from tests.conftest import (
     check_bf16_cuda_training_parity,
+    check_packed_documents_parity,
     check_generation_and_reload,
     check_training_parity,
     parity_batch,
@@ -253,33 +254,9 @@ def test_fp32_weights_under_bf16_autocast_take_the_flash_sink_attention(tmp_path
 
 
 def test_packed_rows_with_offsets_equal_each_document_alone(tmp_path):
-    """Packed rows with their documents' offsets (what the recipe passes): each document's logits
-    and the gradients equal Transformers run on the documents one by one (sinks, the sliding window
-    of 4 inside longer documents, full attention), with no mask from anyone."""
-    from tests.conftest import rel_err
-
+    """Packed rows with their documents' offsets: sinks, the sliding window of 4 inside longer
+    documents and full attention stay inside each document, with no mask from anyone."""
     ref = reference(output_router_logits=False)
     ours = moetune.AutoModelForCausalLM.from_pretrained(save_with_transformers(ref, tmp_path))
     assert ours.model.takes_document_offsets
-    torch.manual_seed(3)
-    rows = [[9, 7], [16], [3, 5, 8]]  # documents per row, 16 tokens each
-    ids = torch.randint(3, 96, (3, 16))
-    positions = torch.tensor([[p for n in row for p in range(n)] for row in rows])
-    lengths = torch.tensor([n for row in rows for n in row])
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).int()
-    got = ours(input_ids=ids, position_ids=positions, cu_seq_lens_q=offsets, max_length_q=16, return_logits=True,
-               use_cache=False)
-    loss, ours_loss = 0.0, 0.0
-    for r, row in enumerate(rows):
-        start = 0
-        for n in row:
-            alone = ref(input_ids=ids[r:r + 1, start:start + n])
-            assert rel_err(got.logits[r, start:start + n], alone.logits[0]) < TOL, (r, start)
-            loss = loss + alone.logits.square().mean()
-            ours_loss = ours_loss + got.logits[r:r + 1, start:start + n].square().mean()
-            start += n
-    expected = torch.autograd.grad(loss, list(ref.parameters()))
-    ours_loss.backward()
-    params = dict(ours.named_parameters())
-    for (name, _), grad in zip(ref.named_parameters(), expected):
-        assert rel_err(params[name].grad, grad) < TOL, name
+    check_packed_documents_parity(ours, ref)

@@ -5,6 +5,8 @@ loads what moetune saves; expert parallelism equals one process."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import transformers
@@ -13,9 +15,9 @@ import moetune
 from moetune.models.nemotron_h.model import NemotronHForCausalLM, NemotronHMoEBlock
 from tests.conftest import (
     check_bf16_cuda_training_parity,
+    check_packed_documents_parity,
     check_generation_and_reload,
     check_training_parity,
-    rel_err,
     save_with_transformers,
     seeded_reference,
 )
@@ -80,50 +82,26 @@ def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path):
 
 @pytest.mark.parametrize("offsets", [False, True], ids=["position_ids", "offsets"])
 def test_packed_documents_stay_apart_in_the_mamba_layers(tmp_path, monkeypatch, offsets):
-    """Packed rows (positions restarting per document, no mask): each document's logits and the
-    loss's gradients equal those of the documents run one by one in Transformers, which would
-    carry the Mamba-2 state from one document into the next if given the packed row. With the
-    documents' offsets too (what the recipe passes), moetune's decoder loop runs: no mask is
-    prepared, and the attention layers stay inside each document by the offsets."""
+    """Packed rows: each document equals itself run alone in Transformers, which would carry the
+    Mamba-2 state from one document into the next if given the packed row. With the documents'
+    offsets too, moetune's decoder loop runs: no mask is prepared, and the attention layers stay
+    inside each document by the offsets."""
     ref = reference()
     ours = moetune.AutoModelForCausalLM.from_pretrained(save_with_transformers(ref, tmp_path))
-    assert ours.keeps_packed_documents_apart
-    ref.train()
-    ours.train()
-    torch.manual_seed(3)
-    rows = [[9, 7], [16], [3, 5, 8]]  # documents per row, 16 tokens each
-    ids = torch.randint(3, 96, (3, 16))
-    positions = torch.tensor([[p for n in row for p in range(n)] for row in rows])
-    inputs = {"input_ids": ids, "position_ids": positions}
-    if offsets:
-        lengths = torch.tensor([n for row in rows for n in row])
-        inputs["cu_seq_lens_q"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).int()
-        inputs["max_length_q"] = 16
-        _forbid_mask_preparation(monkeypatch)
-    got = ours(**inputs, return_logits=True, use_cache=False)
-    monkeypatch.undo()
-    loss = 0.0
-    for r, row in enumerate(rows):
-        start = 0
-        for n in row:
-            alone = ref(input_ids=ids[r:r + 1, start:start + n], use_cache=False)
-            assert rel_err(got.logits[r, start:start + n], alone.logits[0]) < 1e-5, (r, start)
-            loss = loss + alone.logits.square().mean()
-            start += n
-    expected_grads = torch.autograd.grad(loss, list(ref.parameters()))
-    ours_loss = sum(got.logits[r:r + 1, s:s + n].square().mean()
-                    for r, row in enumerate(rows) for s, n in zip([sum(row[:i]) for i in range(len(row))], row))
-    ours_loss.backward()
-    for (name, param), expected in zip(ref.named_parameters(), expected_grads):
-        assert rel_err(dict(ours.named_parameters())[name].grad, expected) < 1e-5, name
+    assert ours.keeps_packed_documents_apart and ours.model.takes_document_offsets
+    context = (lambda: _no_mask_preparation(monkeypatch)) if offsets else contextlib.nullcontext
+    check_packed_documents_parity(ours, ref, offsets=offsets, forward_context=context)
 
 
-def _forbid_mask_preparation(monkeypatch) -> None:
+@contextlib.contextmanager
+def _no_mask_preparation(monkeypatch):
     from transformers.models.nemotron_h import modeling_nemotron_h
 
     def no_masks(*args, **kwargs):
         raise AssertionError("packed rows with their offsets must not build masks")
 
-    for name in ("create_causal_mask", "create_recurrent_attention_mask"):
-        if hasattr(modeling_nemotron_h, name):
-            monkeypatch.setattr(modeling_nemotron_h, name, no_masks)
+    with monkeypatch.context() as patch:
+        for name in ("create_causal_mask", "create_recurrent_attention_mask"):
+            if hasattr(modeling_nemotron_h, name):
+                patch.setattr(modeling_nemotron_h, name, no_masks)
+        yield

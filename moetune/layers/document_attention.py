@@ -33,6 +33,21 @@ OFFSETS_KEY = "cu_seq_lens_q"
 DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
+def pop_documents(kwargs: dict) -> tuple[torch.Tensor | None, int | None]:
+    """An attention layer's documents: the offsets and the longest document, taken out of its kwargs
+    with the other flash-attention keys (which a non-varlen attention would not take)."""
+    offsets_N, max_length = kwargs.pop(OFFSETS_KEY, None), kwargs.pop("max_length_q", None)
+    for name in DOCUMENT_KEYS:
+        kwargs.pop(name, None)
+    return offsets_N, max_length
+
+
+def has_cache(kwargs: dict) -> bool:
+    """Whether a layer's kwargs carry a KV / recurrent cache (named ``cache`` from Transformers 5.24
+    on, ``past_key_values`` or ``cache_params`` before)."""
+    return any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "cache_params"))
+
+
 def document_offsets(lengths_per_row: list[list[int]], *, row_length: int, num_offsets: int | None = None) -> torch.Tensor:
     """The int32 offsets of documents with these lengths (each row's lengths sum to ``row_length``),
     padded with the total to ``num_offsets`` entries when given (a fixed shape for CUDA graphs)."""
@@ -58,7 +73,9 @@ def document_causal_attention(
     max_length: int,
     scaling: float,
 ) -> torch.Tensor:
-    """Causal attention inside each document; returns [B, S, H, D]. ``offsets_N`` as described above."""
+    """Causal attention inside each document; returns [B, S, H, Dv] (Dv: the values' head dim, which
+    may differ from the queries' as in DeepSeek-V3's MLA: torch's flash kernels need them equal, so
+    such attention takes the masked SDPA path). ``offsets_N`` as described above."""
     B, S, H, D = q_BSHD.shape
     K = k_BSKD.shape[2]
     if H % K:
@@ -66,7 +83,7 @@ def document_causal_attention(
     if offsets_N.dim() != 1 or offsets_N.numel() < 2:
         raise ValueError(f"document attention: cu_seq_lens_q must be 1-D with >= 2 offsets, got {tuple(offsets_N.shape)}")
     dtype = _compute_dtype(q_BSHD)
-    varlen = _varlen_kernel() if _varlen_applies(q_BSHD, dtype) else None
+    varlen = _varlen_kernel() if _varlen_applies(q_BSHD, dtype) and v_BSKD.shape[-1] == D else None
     if varlen is not None:
         # Under autocast the projections may come in different dtypes; SDPA would cast them too.
         q_BSHD, k_BSKD, v_BSKD = (t.to(dtype) for t in (q_BSHD, k_BSKD, v_BSKD))

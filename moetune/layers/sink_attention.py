@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from moetune.layers.document_attention import document_causal_mask
+
 
 def flash_sinks_supported(q_BHSD: torch.Tensor) -> bool:
     """torch's flash kernels: CUDA sm80+, bf16 / fp16, head dim a multiple of 8 up to 256."""
@@ -72,13 +74,12 @@ def _allowed_keys(B: int, S: int, *, sliding_window: int | None, offsets_N: torc
     """[B or 1, S, S]: key s is visible to query t (causal, inside the window and t's document)."""
     q_idx = torch.arange(S, device=device)[:, None]
     kv_idx = torch.arange(S, device=device)[None, :]
-    allowed = (kv_idx <= q_idx)[None]
+    if offsets_N is None:
+        allowed = (kv_idx <= q_idx)[None]
+    else:
+        allowed = document_causal_mask(offsets_N.to(device), batch=B, seq_len=S)[:, 0]
     if sliding_window is not None:
         allowed = allowed & (q_idx - kv_idx < sliding_window)
-    if offsets_N is not None:
-        tokens_T = torch.arange(B * S, device=device)
-        document_BS = torch.searchsorted(offsets_N.to(device)[1:].contiguous(), tokens_T, right=True).view(B, S)
-        allowed = allowed & (document_BS[:, :, None] == document_BS[:, None, :])
     return allowed
 
 

@@ -68,8 +68,8 @@ def check_model_for_job(model_config: PretrainedConfig, *, packing: bool, cuda_g
     if cuda_graph and not takes_offsets:
         raise ValueError(
             f"config field training.cuda_graph: {type(model).__name__} derives packed rows' attention masks on the "
-            "host, which a CUDA graph cannot capture; moetune's Qwen3-MoE, Nemotron-H and GPT-OSS take the documents' "
-            "offsets instead. Set "
+            "host, which a CUDA graph cannot capture; moetune's architectures (Qwen3-MoE, DeepSeek-V3, GPT-OSS, "
+            "Nemotron-H) take the documents' offsets instead. Set "
             "training.cuda_graph false for this model.")
     return takes_offsets
 

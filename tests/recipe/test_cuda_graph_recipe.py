@@ -70,10 +70,15 @@ def test_cuda_graph_needs_packing():
 
 
 def test_cuda_graph_refuses_models_that_derive_masks_on_the_host(tiny_job, tmp_path):
-    from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
+    """A model that falls back to Transformers' classes (Mixtral) builds packed rows' masks from the
+    position_ids on the host: refused before anything is loaded, naming the field."""
+    import transformers
 
-    tiny_deepseek_v3_config(vocab_size=309, max_position_embeddings=512).save_pretrained(tmp_path / "model")
-    with pytest.raises(ValueError, match="training.cuda_graph: DeepseekV3ForCausalLM derives packed rows"):
+    transformers.MixtralConfig(
+        vocab_size=309, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512,
+    ).save_pretrained(tmp_path / "model")  # fmt: skip
+    with pytest.raises(ValueError, match="training.cuda_graph: MixtralForCausalLM derives packed rows"):
         finetune(tiny_job(tmp_path / "out", model__config_path=tmp_path / "model", training__cuda_graph="true"))
 
 
@@ -151,15 +156,17 @@ def test_graphed_recipe_on_gpu_resumes_exactly_and_trains_lora(tiny_job, tmp_pat
     assert graphed.losses == pytest.approx(eager.losses, rel=1e-3)
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "gpt_oss"])
+@pytest.mark.parametrize("family", ["nemotron_h", "gpt_oss", "deepseek_v3"])
 def test_graphed_step_trains_other_offset_taking_families_as_the_eager_step(tiny_job, tmp_path, family):
-    """Nemotron-H (attention by offsets, Mamba-2 by document ids on the device) and GPT-OSS (sinks
-    and sliding windows inside each document) take the documents' offsets, so the graphed step
-    accepts them and computes what the eager step computes."""
+    """Nemotron-H (attention by offsets, Mamba-2 by document ids on the device), GPT-OSS (sinks and
+    sliding windows inside each document) and DeepSeek-V3 (latent attention by offsets) take the
+    documents' offsets, so the graphed step accepts them and computes what the eager step computes."""
+    from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
     from tests.test_gpt_oss_parity import tiny_gpt_oss_config
     from tests.test_nemotron_h_parity import tiny_nemotron_h_config
 
-    make_config = {"nemotron_h": tiny_nemotron_h_config, "gpt_oss": tiny_gpt_oss_config}[family]
+    make_config = {"nemotron_h": tiny_nemotron_h_config, "gpt_oss": tiny_gpt_oss_config,
+                   "deepseek_v3": tiny_deepseek_v3_config}[family]
     make_config(vocab_size=309, max_position_embeddings=512).save_pretrained(tmp_path / "model")
     options = {"model__config_path": tmp_path / "model", "training__steps": 3}
     eager = finetune(tiny_job(tmp_path / "eager", **options))

@@ -3,19 +3,21 @@ group-limited sigmoid router -> dispatch -> grouped experts -> combine, plus the
 
 Subclasses Transformers' classes, so module paths, parameter names (``mlp.gate.weight``,
 ``mlp.gate.e_score_correction_bias``, ``mlp.experts.gate_up_proj``, ``mlp.shared_experts.*``),
-multi-head latent attention, ``generate`` and the KV cache are Transformers' own; the sparse
-block and the decoder norms are moetune's. Like Transformers' model it has no aux loss (the
+multi-head latent attention, ``generate`` and the KV cache are Transformers' own (the attention
+keeps packed documents apart by their offsets); the sparse block and the decoder norms are moetune's. Like Transformers' model it has no aux loss (the
 router balances through its score-correction bias) and ignores the multi-token-prediction layer
 that Hub checkpoints store as ``model.layers.61``.
 """
 
 from __future__ import annotations
 
+import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout
 from moetune.kernels import RMSNorm
+from moetune.layers.document_attention import document_causal_attention, has_cache, pop_documents
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.moe import GroupedExperts, GroupLimitedSigmoidRouter, MoEBlock
 
@@ -58,17 +60,52 @@ def build_moe_block(config) -> MoEBlock:
     )
 
 
+class DeepseekV3Attention(hf.DeepseekV3Attention):
+    """Transformers' multi-head latent attention (same parameters and math); given packed documents'
+    offsets (``cu_seq_lens_q``) and no mask, cache or dropout, attention stays inside each document
+    (``moetune.layers.document_attention``; its masked SDPA path, as the value heads are narrower
+    than the query / key heads). Anything else goes to Transformers' forward."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        offsets_N, max_length = pop_documents(kwargs)
+        dropout = self.attention_dropout if self.training else 0.0
+        if offsets_N is None or has_cache(kwargs) or dropout or attention_mask is not None:
+            return super().forward(hidden_states, position_embeddings=position_embeddings,
+                                   attention_mask=attention_mask, **kwargs)
+        B, S = hidden_states.shape[:-1]
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q_BHSD = q.view(B, S, -1, self.qk_head_dim).transpose(1, 2)
+        q_pass, q_rot = torch.split(q_BHSD, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        kv_latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv_BHSX = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(B, S, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_pass, v_BHSD = torch.split(kv_BHSX.transpose(1, 2), [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        rope = hf.apply_rotary_pos_emb_interleave if self.config.rope_interleave else hf.apply_rotary_pos_emb
+        q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, S, self.qk_rope_head_dim), *position_embeddings)
+        q_BHSD = torch.cat((q_pass, q_rot), dim=-1)
+        k_BHSD = torch.cat((k_pass, k_rot.expand(*k_pass.shape[:-1], -1)), dim=-1)
+        out_BSHD = document_causal_attention(
+            q_BHSD.transpose(1, 2), k_BHSD.transpose(1, 2), v_BHSD.transpose(1, 2), offsets_N,
+            max_length=max_length or S, scaling=self.scaling,
+        )  # fmt: skip
+        return self.o_proj(out_BSHD.reshape(B, S, -1)), None
+
+
 class DeepseekV3DecoderLayer(hf.DeepseekV3DecoderLayer):
     def __init__(self, config, layer_idx: int) -> None:
         GradientCheckpointingLayer.__init__(self)
         self.hidden_size = config.hidden_size
-        self.self_attn = hf.DeepseekV3Attention(config=config, layer_idx=layer_idx)
+        self.self_attn = DeepseekV3Attention(config=config, layer_idx=layer_idx)
         self.mlp = build_moe_block(config) if is_sparse_layer(config, layer_idx) else hf.DeepseekV3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class DeepseekV3Model(MoetuneBaseModelMixin, hf.DeepseekV3Model):
+    takes_document_offsets = True
+
     def __init__(self, config) -> None:
         self._init_decoder_backbone(
             config,

@@ -20,7 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
 from moetune.checkpoint import CheckpointLayout
-from moetune.layers.document_attention import DOCUMENT_KEYS, OFFSETS_KEY
+from moetune.layers.document_attention import has_cache, pop_documents
 from moetune.layers.sink_attention import sink_attention
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.moe import GroupedExperts, MoEBlock, TopKThenSoftmaxRouter
@@ -62,12 +62,9 @@ class GptOssAttention(hf.GptOssAttention):
     offsets (``cu_seq_lens_q``). Anything else goes to Transformers' forward."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
-        offsets_N, max_length = kwargs.pop(OFFSETS_KEY, None), kwargs.pop("max_length_q", None)
-        for name in DOCUMENT_KEYS:
-            kwargs.pop(name, None)
-        cached = any(kwargs.get(name) is not None for name in ("past_key_values", "cache"))
+        offsets_N, max_length = pop_documents(kwargs)
         dropout = self.attention_dropout if self.training else 0.0
-        if attention_mask is not None or cached or dropout or self.config._attn_implementation != "eager":
+        if attention_mask is not None or has_cache(kwargs) or dropout or self.config._attn_implementation != "eager":
             return super().forward(hidden_states, position_embeddings=position_embeddings,
                                    attention_mask=attention_mask, **kwargs)
         input_shape = hidden_states.shape[:-1]

@@ -18,7 +18,7 @@ from torch import nn
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
 from moetune.checkpoint import CheckpointLayout, FusedExpertParam
-from moetune.layers.document_attention import DOCUMENT_KEYS, OFFSETS_KEY, document_causal_attention
+from moetune.layers.document_attention import document_causal_attention, has_cache, pop_documents
 from moetune.layers.mamba2 import causal_conv1d, chunked_scan, document_ids
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.models.deepseek_v3.model import build_router
@@ -79,8 +79,7 @@ class NemotronHMamba2Mixer(hf.NemotronHMamba2Mixer):
     packed documents (``seq_idx``) kept apart. With a cache (generation) Transformers' forward runs."""
 
     def forward(self, hidden_states: torch.Tensor, *args, seq_idx: torch.Tensor | None = None, **kwargs):
-        cached = any(kwargs.get(name) is not None for name in ("cache", "cache_params", "past_key_values"))
-        if args or cached:
+        if args or has_cache(kwargs):
             return super().forward(hidden_states, *args, **kwargs)
         attention_mask = kwargs.get("attention_mask")
         batch, seq_len, _ = hidden_states.shape
@@ -112,11 +111,8 @@ class NemotronHAttention(hf.NemotronHAttention):
     (``moetune.layers.document_attention``). Anything else goes to Transformers' forward."""
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, *args, **kwargs):
-        offsets_N, max_length = kwargs.pop(OFFSETS_KEY, None), kwargs.pop("max_length_q", None)
-        for name in DOCUMENT_KEYS:
-            kwargs.pop(name, None)
-        cached = any(kwargs.get(name) is not None for name in ("cache", "past_key_values"))
-        if offsets_N is None or cached or args or attention_mask is not None:
+        offsets_N, max_length = pop_documents(kwargs)
+        if offsets_N is None or has_cache(kwargs) or args or attention_mask is not None:
             return super().forward(hidden_states, attention_mask, *args, **kwargs)
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         out_BSHD = document_causal_attention(
@@ -145,8 +141,7 @@ class NemotronHBlock(hf.NemotronHBlock):
 
     def forward(self, hidden_states, *args, **kwargs):
         position_ids = kwargs.get("position_ids")
-        cached = any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "cache_params"))
-        if isinstance(self.mixer, NemotronHMamba2Mixer) and position_ids is not None and not cached and not args:
+        if isinstance(self.mixer, NemotronHMamba2Mixer) and position_ids is not None and not has_cache(kwargs) and not args:
             residual = hidden_states
             normed = self.norm(hidden_states.to(dtype=self.norm.weight.dtype))
             if getattr(self, "residual_in_fp32", False):

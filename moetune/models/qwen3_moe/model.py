@@ -12,7 +12,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
 from moetune.kernels import RMSNorm, apply_rope
 from moetune.kernels.qk_norm_rope import qk_norm_rope
-from moetune.layers.document_attention import DOCUMENT_KEYS, OFFSETS_KEY, document_causal_attention
+from moetune.layers.document_attention import document_causal_attention, pop_documents
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.moe import GroupedExperts, MoEBlock, SoftmaxTopKRouter
 
@@ -69,9 +69,7 @@ class Qwen3MoeAttention(hf.Qwen3MoeAttention):
         cache = kwargs.pop("cache", None)
         cache = cache if cache is not None else past_key_values
         hidden_shape = (*hidden_states.shape[:-1], -1, self.head_dim)
-        offsets_N, max_length = kwargs.pop(OFFSETS_KEY, None), kwargs.pop("max_length_q", None)
-        for name in DOCUMENT_KEYS:
-            kwargs.pop(name, None)
+        offsets_N, max_length = pop_documents(kwargs)
         q_BSHD = self.q_proj(hidden_states).view(hidden_shape)
         k_BSHD = self.k_proj(hidden_states).view(hidden_shape)
         v_BSHD = self.v_proj(hidden_states).view(hidden_shape)
