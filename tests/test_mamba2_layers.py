@@ -15,6 +15,12 @@ from transformers.models.nemotron_h import modeling_nemotron_h as hf
 from moetune.layers.mamba2 import causal_conv1d, chunked_scan, document_ids
 from tests.conftest import rel_err
 
+needs_transformers_scan = pytest.mark.skipif(
+    not hasattr(hf, "mamba2_chunk_scan"),
+    reason="Transformers' module-level mamba2_chunk_scan / causal_conv1d_fn (the reference) arrived after 5.10; "
+           "5.10's inline torch scan sums the states passed between chunks over the wrong axis",
+)
+
 TOL = 1e-5
 HEADS, HEAD_DIM, GROUPS, STATE, CHUNK = 8, 4, 2, 6, 16
 
@@ -47,6 +53,7 @@ def _grads(out: torch.Tensor, t: dict[str, torch.Tensor], weight: torch.Tensor) 
     return torch.autograd.grad((out * weight).sum(), list(t.values()), allow_unused=True)
 
 
+@needs_transformers_scan
 @pytest.mark.parametrize("seq_len", [48, 45, 7])
 def test_chunked_scan_equals_transformers(seq_len):
     t = _inputs(2, seq_len)
@@ -57,6 +64,7 @@ def test_chunked_scan_equals_transformers(seq_len):
         assert rel_err(got, expected) < TOL, name
 
 
+@needs_transformers_scan
 def test_packed_documents_equal_each_document_alone():
     """Row 0 holds three documents (one starts mid-chunk, one crosses a chunk boundary), row 1 one."""
     lengths = [10, 20, 15]
@@ -78,11 +86,34 @@ def test_packed_documents_equal_each_document_alone():
         assert rel_err(g, e) < TOL, name
 
 
+@pytest.mark.parametrize("decay", ["slow", "fast"])
+def test_chunked_scan_equals_the_sequential_recurrence(decay):
+    """Against the recurrence itself, step by step in float64 (no Transformers involved): slow
+    decays carry the state across many chunks (Transformers 5.10's torch scan gets these wrong),
+    fast ones test the masked exponentials."""
+    g = torch.Generator().manual_seed(4)
+    S, R = 37, HEADS // GROUPS
+    x, dt = torch.randn(1, S, HEADS, HEAD_DIM, generator=g), torch.randn(1, S, HEADS, generator=g)
+    B, C = torch.randn(1, S, GROUPS, STATE, generator=g), torch.randn(1, S, GROUPS, STATE, generator=g)
+    A = -torch.rand(HEADS, generator=g) * (0.05 if decay == "slow" else 3.0)
+    D = torch.randn(HEADS, generator=g)
+    got = chunked_scan(x, dt, A, B, C, chunk_size=CHUNK, D_H=D)
+    dt64 = torch.nn.functional.softplus(dt.double())
+    state = torch.zeros(HEADS, HEAD_DIM, STATE, dtype=torch.float64)
+    for t in range(S):
+        B_t, C_t = B[0, t].double().repeat_interleave(R, 0), C[0, t].double().repeat_interleave(R, 0)
+        state = (torch.exp(dt64[0, t, :, None, None] * A.double()[:, None, None]) * state
+                 + dt64[0, t, :, None, None] * x[0, t].double()[:, :, None] * B_t[:, None, :])
+        expected_t = (state * C_t[:, None, :]).sum(-1) + D.double()[:, None] * x[0, t].double()
+        assert rel_err(got[0, t], expected_t) < TOL, t
+
+
 def test_document_ids_restart_at_each_zero_position():
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [5, 6, 7, 8, 9, 10]])
     assert document_ids(positions).tolist() == [[1, 1, 1, 2, 2, 3], [1, 1, 1, 1, 1, 1]]
 
 
+@needs_transformers_scan
 def test_causal_conv1d_equals_transformers_and_keeps_documents_apart():
     x = torch.randn(2, 30, 12, requires_grad=True)
     weight, bias = torch.randn(12, 4, requires_grad=True), torch.randn(12, requires_grad=True)

@@ -36,6 +36,14 @@ def document_ids(position_ids_BS: torch.Tensor) -> torch.Tensor:
     return torch.cumsum(starts_BS.to(torch.int32), dim=1)
 
 
+def zero_padding(hidden_BSX: torch.Tensor, attention_mask_BS: torch.Tensor | None) -> torch.Tensor:
+    """Padded positions (mask 0) zeroed, as Transformers' Mamba mixers do before the projection and
+    after the convolution, so padding never enters a state."""
+    if attention_mask_BS is None:
+        return hidden_BSX
+    return (hidden_BSX * attention_mask_BS[:, :, None]).to(hidden_BSX.dtype)
+
+
 def causal_conv1d(x_BSD: torch.Tensor, weight_DK: torch.Tensor, bias_D: torch.Tensor | None, *,
                   seq_idx_BS: torch.Tensor | None = None) -> torch.Tensor:
     """out[t] = bias + sum_k weight[:, K-1-k] * x[t-k] over the taps inside t's document, in fp32,

@@ -19,7 +19,7 @@ from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
 from moetune.checkpoint import CheckpointLayout, FusedExpertParam
 from moetune.layers.document_attention import document_causal_attention, has_cache, pop_documents
-from moetune.layers.mamba2 import causal_conv1d, chunked_scan, document_ids
+from moetune.layers.mamba2 import causal_conv1d, chunked_scan, document_ids, zero_padding
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.models.deepseek_v3.model import build_router
 from moetune.moe import GroupedExperts, MoEBlock
@@ -83,10 +83,10 @@ class NemotronHMamba2Mixer(hf.NemotronHMamba2Mixer):
             return super().forward(hidden_states, *args, **kwargs)
         attention_mask = kwargs.get("attention_mask")
         batch, seq_len, _ = hidden_states.shape
-        projected = self.in_proj(hf.apply_mask_to_padding_states(hidden_states, attention_mask))
+        projected = self.in_proj(zero_padding(hidden_states, attention_mask))
         gate, xBC, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         conv = causal_conv1d(xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias, seq_idx_BS=seq_idx)
-        xBC = hf.apply_mask_to_padding_states(self.act(conv).to(xBC.dtype), attention_mask)
+        xBC = zero_padding(self.act(conv).to(xBC.dtype), attention_mask)
         x, B, C = xBC.split([self.intermediate_size, self.n_groups * self.ssm_state_size,
                              self.n_groups * self.ssm_state_size], dim=-1)
         y = chunked_scan(
@@ -98,11 +98,18 @@ class NemotronHMamba2Mixer(hf.NemotronHMamba2Mixer):
             chunk_size=self.chunk_size,
             D_H=self.D,
             dt_bias_H=self.dt_bias,
-            dt_limit=self.time_step_limit,
+            dt_limit=self._dt_limit(),
             seq_idx_BS=seq_idx,
         )
         y = self.norm(y.reshape(batch, seq_len, -1), gate)
         return self.out_proj(y.to(hidden_states.dtype))
+
+
+    def _dt_limit(self) -> tuple[float, float]:
+        # Transformers' torch path clamps dt below at time_step_min: from 5.1x through
+        # time_step_limit, in 5.10 directly (its time_step_limit then is the config's (0, inf)).
+        low, high = self.time_step_limit
+        return max(low, getattr(self, "time_step_min", 0.0)), high
 
 
 class NemotronHAttention(hf.NemotronHAttention):
