@@ -5,8 +5,9 @@ What it answers: how fast users of the recipe train (not the bench's step alone)
 replayed from CUDA graphs (``training.cuda_graph``), and, with ``--baseline-root``, against another
 source tree (an earlier commit) on the same data. The dataset holds chat rows of random lengths
 (``--min-chars`` .. ``--max-chars`` digits and spaces, the shipped tokenizer: ~1 token per
-character), packed into ``--max-length`` rows. The model is Qwen3-30B-A3B's shape with
-``--layers`` layers, random init, bf16 weights and AdamW states, as the bench's rows.
+character), packed into ``--max-length`` rows. The model is Qwen3-30B-A3B's shape (or another
+shipped bench config, ``--model-config``) with ``--layers`` layers, random init, bf16 weights and
+AdamW states, as the bench's rows.
 
 Per variant: the median tokens/s/GPU over the logged windows after ``--skip-steps``, peak memory,
 the first losses (the graphed and eager losses of one commit must agree to bf16 noise).
@@ -30,7 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG = ROOT / "moetune" / "assets" / "configs" / "qwen3_30b_a3b.json"
+CONFIG = "qwen3_30b_a3b"
 
 
 def write_data(path: Path, *, rows: int, min_chars: int, max_chars: int, seed: int) -> None:
@@ -43,12 +44,16 @@ def write_data(path: Path, *, rows: int, min_chars: int, max_chars: int, seed: i
             f.write(json.dumps({"prompt": text[:cut], "answer": text[cut:]}) + "\n")
 
 
-def write_model_config(path: Path, layers: int, source: Path) -> None:
-    config = json.loads(source.read_text())
-    config["num_hidden_layers"] = layers
-    config["max_window_layers"] = layers
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
+def write_model_config(path: Path, layers: int, source: str) -> str:
+    """The first ``layers`` layers of ``source`` (a shipped bench config's name, a config.json or a
+    folder; per-layer lists such as Nemotron-H's pattern cut with them) written to ``path``; returns
+    the config's short name for the result file."""
+    sys.path.insert(0, str(ROOT))  # this tree's moetune, as the variants get through PYTHONPATH
+    from moetune.bench.models import load_config
+
+    name, config = load_config(source, layers=layers)
+    config.save_pretrained(path)
+    return name
 
 
 def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) -> dict:
@@ -105,7 +110,9 @@ def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--model-config", type=Path, default=CONFIG, help="config.json (a tiny one for a CPU smoke test)")
+    parser.add_argument("--model-config", default=CONFIG,
+                        help="a shipped bench config (qwen3_30b_a3b, nemotron_3_nano_30b_a3b, gpt_oss_20b, "
+                             "moonlight_16b_a3b), a config.json or a folder (a tiny one for a CPU smoke test)")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--variants", default="eager,graph",
@@ -125,7 +132,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = args.nproc * (args.steps + 5) * max(1, args.max_length // ((args.min_chars + args.max_chars) // 2)) * 2
     write_data(args.work / "train.jsonl", rows=rows, min_chars=args.min_chars, max_chars=args.max_chars, seed=0)
-    write_model_config(args.work / "model", args.layers, args.model_config)
+    model_name = write_model_config(args.work / "model", args.layers, args.model_config)
     results = []
     for name in args.variants.split(","):
         root = args.baseline_root if name.startswith("base-") else ROOT
@@ -142,7 +149,7 @@ def main() -> None:
         "settings": {k: str(v) for k, v in vars(args).items()}, "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"recipe_qwen3-30b-a3b-{args.layers}l_{args.nproc}gpu_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    name = f"recipe_{model_name}-{args.layers}l_{args.nproc}gpu_{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
     (args.out / name).write_text(json.dumps(record, indent=1))
     print(f"wrote {args.out / name}")
 

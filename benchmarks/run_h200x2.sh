@@ -34,6 +34,7 @@
 #     otherarchgraph  the same, moetune's step replayed from CUDA graphs with the updates in the backward
 #     recipe     `moetune finetune`'s own tokens/s, eager and with training.cuda_graph, on one GPU (8 layers)
 #                and on two (16 layers, ep=2) (benchmarks/recipe_probe.py; packed synthetic chat rows)
+#                RECIPE_CONFIG=nemotron_3_nano_30b_a3b (or another shipped bench config): another architecture
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -157,10 +158,10 @@ fi
 if stage recipe; then  # the recipe's own tokens/s (benchmarks/recipe_probe.py): one GPU at 8 layers, two at 16 with ep=2
   echo "== recipe: one GPU, 8 layers, eager and graphed"
   CUDA_VISIBLE_DEVICES=0 timeout 200 python benchmarks/recipe_probe.py --layers 8 --variants eager,graph \
-    --timeout 90 --work /tmp/recipe_probe_1gpu --out "$OUT" || status=1
+    --model-config "${RECIPE_CONFIG:-qwen3_30b_a3b}" --timeout 90 --work /tmp/recipe_probe_1gpu --out "$OUT" || status=1
   echo "== recipe: two GPUs, 16 layers, ep=2 (all-gather + replicate), eager and graphed"
   timeout 220 python benchmarks/recipe_probe.py --layers 16 --nproc 2 --ep 2 --variants eager,graph \
-    --timeout 100 --work /tmp/recipe_probe_2gpu --out "$OUT" || status=1
+    --model-config "${RECIPE_CONFIG:-qwen3_30b_a3b}" --timeout 100 --work /tmp/recipe_probe_2gpu --out "$OUT" || status=1
 fi
 
 echo "== summary"
