@@ -28,6 +28,8 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from moetune.utils.autocast import cuda_autocast_dtype
+
 OFFSETS_KEY = "cu_seq_lens_q"
 """The keyword under which Transformers' flash-attention kwargs carry the document offsets."""
 DOCUMENT_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -82,7 +84,7 @@ def document_causal_attention(
         raise ValueError(f"document attention: {H} query heads are not a multiple of {K} key/value heads")
     if offsets_N.dim() != 1 or offsets_N.numel() < 2:
         raise ValueError(f"document attention: cu_seq_lens_q must be 1-D with >= 2 offsets, got {tuple(offsets_N.shape)}")
-    dtype = _compute_dtype(q_BSHD)
+    dtype = cuda_autocast_dtype(q_BSHD) or q_BSHD.dtype  # SDPA's dtype under autocast
     varlen = _varlen_kernel() if _varlen_applies(q_BSHD, dtype) and v_BSKD.shape[-1] == D else None
     if varlen is not None:
         # Under autocast the projections may come in different dtypes; SDPA would cast them too.
@@ -94,13 +96,6 @@ def document_causal_attention(
         )  # fmt: skip
         return out_THD.view(B, S, H, D)
     return _masked_sdpa(q_BSHD, k_BSKD, v_BSKD, offsets_N, scaling=scaling)
-
-
-def _compute_dtype(q: torch.Tensor) -> torch.dtype:
-    """The dtype attention runs in: autocast's on CUDA when it is on (as SDPA), else the query's."""
-    if q.is_cuda and torch.is_autocast_enabled("cuda"):
-        return torch.get_autocast_dtype("cuda")
-    return q.dtype
 
 
 def _masked_sdpa(q_BSHD, k_BSKD, v_BSKD, offsets_N, *, scaling: float) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from torch.nn import functional as F
 
 from moetune.layers.document_attention import document_causal_mask
+from moetune.utils.autocast import cuda_autocast_dtype
 
 
 def flash_sinks_supported(q_BHSD: torch.Tensor) -> bool:
@@ -52,8 +53,8 @@ def sink_attention(
     Packed rows: ``offsets_N`` (``cu_seq_lens_q``: the documents' starts in the flattened batch and
     its end, possibly padded with repeats) keeps each query inside its document; ``max_length`` is
     the longest document (the row length when not given)."""
-    if q_BHSD.is_cuda and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")
+    dtype = cuda_autocast_dtype(q_BHSD)
+    if dtype is not None:
         q_BHSD, k_BKSD, v_BKSD = q_BHSD.to(dtype), k_BKSD.to(dtype), v_BKSD.to(dtype)
     B, H, S, D = q_BHSD.shape
     if flash_sinks_supported(q_BHSD):

@@ -132,11 +132,14 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
             raise ValueError("You must specify exactly one of input_ids or inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = getattr(self, self.embedding_name)(input_ids)
-        if position_ids is None:
-            position_ids = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
         rotary = getattr(self, "rotary_emb", None)
         if rotary is not None:
-            kwargs["position_embeddings"] = rotary(inputs_embeds, position_ids)
+            positions = position_ids
+            if positions is None:
+                positions = torch.arange(inputs_embeds.shape[1], device=inputs_embeds.device).unsqueeze(0)
+            kwargs["position_embeddings"] = rotary(inputs_embeds, positions)
+        # Layers get position_ids only for packed rows: with none, they know each row is one
+        # sequence (Nemotron-H's Mamba-2 blocks then skip the per-document masks).
         hidden = inputs_embeds
         for layer in self.layers[: self.config.num_hidden_layers]:
             hidden = layer(hidden, attention_mask=None, position_ids=position_ids, **kwargs)

@@ -19,6 +19,7 @@ from moetune.kernels import moe_permute, swiglu
 from moetune.kernels._triton_utils import Impl
 from moetune.kernels.grouped_gemm import grouped_rows_mm, grouped_weight_grad
 from moetune.kernels.permute import permute_rows, permute_rows_backward
+from moetune.utils.autocast import cuda_autocast_dtype
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -36,13 +37,6 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
         and x.dtype == torch.bfloat16
         and torch.cuda.get_device_capability(x.device) >= (8, 0)
     )
-
-
-def _cuda_autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """Autocast's dtype where it is on for ``x``'s CUDA device, else None."""
-    if x.is_cuda and torch.is_autocast_enabled("cuda"):
-        return torch.get_autocast_dtype("cuda")
-    return None
 
 
 def _activation(name: str):
@@ -199,7 +193,7 @@ def run_experts(
     """
     if gather_order is not None:
         _check_gather(x, gather_order, gather_top_k)
-    compute_dtype = _cuda_autocast_dtype(x)
+    compute_dtype = cuda_autocast_dtype(x)
     if compute_dtype is not None and (x.dtype, in_proj.dtype) != (compute_dtype, compute_dtype):
         # What autocast would do to each expert's nn.Linear, done once for the grouped GEMM (which
         # autocast does not cast): fp32 weights under bf16 autocast take the grouped path too, so

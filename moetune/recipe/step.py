@@ -122,9 +122,6 @@ class GraphedTrainStep:
         self._loss_options = {"aux_coef": aux_coef, "num_micro_batches": micro_batches, "autocast": autocast,
                               "expert_load": expert_load}
         self._lm_loss = torch.zeros((), device=runtime.device)  # written by every replay
-        for group in optimizer.param_groups:  # a resumed optimizer may carry a plain-number rate
-            if group.get("capturable") and not isinstance(group["lr"], torch.Tensor):
-                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=runtime.device)
         self._graphs = CUDAGraphTrainStep(model, optimizer, warmup_steps=warmup_steps, max_grad_norm=None,
                                           loss_fn=self._loss, micro_batches=micro_batches)
 
