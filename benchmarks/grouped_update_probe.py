@@ -1,8 +1,8 @@
 """Time the experts' weight update inside the backward, per weight of one Qwen3-30B-A3B layer:
 torch's weight-gradient grouped GEMM (CUTLASS) followed by moetune's AdamW kernel (today's
 overlapped update) against moetune's fused GEMM + AdamW kernel
-(moetune/kernels/grouped_weight_update.py) for several launch settings, with the weight and
-moments prefetched before the reduction loop or read after it. Shapes: one GPU's 128 experts (row A)
+(moetune/kernels/grouped_weight_update.py) for several launch settings; with the gate/up weight's
+input rows permuted beforehand or gathered inside the kernel. Shapes: one GPU's 128 experts (row A)
 and one rank's 64 experts at ep=2 (row B), each over 32,768 routed rows, skewed and balanced.
 
     python benchmarks/grouped_update_probe.py [--quick]
@@ -28,8 +28,8 @@ from moetune.optim.adamw import _triton_step
 _grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
 
 CONFIGS = [
-    (64, 64, 64, 4, 4), (64, 64, 64, 4, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 64, 32, 4, 4),
-    (128, 128, 64, 8, 3), (64, 64, 64, 2, 3), (32, 64, 64, 2, 4),
+    (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+    (128, 256, 64, 8, 3), (128, 128, 32, 8, 4), (256, 128, 64, 8, 3), (64, 64, 64, 4, 4),
 ]  # fmt: skip
 HYPER = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
@@ -60,6 +60,7 @@ def main() -> None:
             # (weight, p, q, gather order of q or None): gradient of the [E, M, C] weight = p^T q per expert
             weights = (
                 ("gate_up [E, 2I, H]", dh, x_rows, None),
+                ("gate_up, rows gathered in-kernel", dh, x, order),
                 ("down [E, H, I]", dy, act, None),
             )
             for name, p, q, gather in weights:
@@ -87,14 +88,14 @@ def main() -> None:
                 grouped_weight_adamw_(param, exp_avg, exp_avg_sq, p, q, ends, lr=lr, step=step, **HYPER, **gather_kwargs)
                 err = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip((param, exp_avg, exp_avg_sq), want))
                 best = None
-                for config, prefetch in [(c, f) for f in (True, False) for c in configs]:
+                for config in configs:
                     try:
                         us = do_bench(lambda: grouped_weight_adamw_(param, exp_avg, exp_avg_sq, p, q, ends, lr=lr, step=step,
-                                                                    config=config, prefetch=prefetch, **HYPER, **gather_kwargs)) * 1e3  # fmt: skip
+                                                                    config=config, **HYPER, **gather_kwargs)) * 1e3  # fmt: skip
                     except Exception as error:  # noqa: BLE001 (a setting that does not fit: report it, go on)
                         emit(shape=shape, routing=kind, weight=name, impl="fused", config=config, error=str(error)[:200])
                         continue
-                    emit(shape=shape, routing=kind, weight=name, impl="fused", config=config, prefetch=prefetch, us=round(us, 1),
+                    emit(shape=shape, routing=kind, weight=name, impl="fused", config=config, us=round(us, 1),
                          tflops=round(flops / us / 1e6, 1), state_tb_s=round(12 * elements / us / 1e6, 2),
                          rel_err_vs_unfused=f"{err:.1e}")  # fmt: skip
                     best = us if best is None else min(best, us)

@@ -118,10 +118,15 @@ if HAS_TRITON:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
     @triton.jit
-    def weight_grad_tile_of_program(M, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """(group, M indices, column indices) of this program's tile of the weight gradient. Program =
-        (group, M tile, column tile), group outermost: the tiles of one group run together and share
-        its rows of p and q in L2."""
+    def weight_grad_tile(
+        p_ptr, q_ptr, order_ptr, offsets_ptr, M, num_cols, top_k,
+        stride_pn, stride_pm, stride_qn, stride_qc,
+        GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """This program's fp32 tile of ``p[rows_g]^T @ q[rows_g]``: (acc, group g, its M indices,
+        column indices). Program = (group, M tile, column tile), group outermost: the tiles of one
+        group run together and share its rows of p and q in L2. The reduction runs over the
+        group's rows."""
         pid = tl.program_id(0)
         num_m_tiles = tl.cdiv(M, BLOCK_M)
         num_col_tiles = tl.cdiv(num_cols, BLOCK_N)
@@ -130,15 +135,6 @@ if HAS_TRITON:
         tile = pid % tiles_per_group
         ms = (tile // num_col_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = (tile % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        return group, ms, cols
-
-    @triton.jit
-    def weight_grad_tile(
-        p_ptr, q_ptr, order_ptr, offsets_ptr, group, ms, cols, M, num_cols, top_k,
-        stride_pn, stride_pm, stride_qn, stride_qc,
-        GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """The fp32 tile ``p[rows_g]^T @ q[rows_g]`` at (ms, cols): the reduction runs over group g's rows."""
         m_mask, col_mask = ms < M, cols < num_cols
         start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0).to(tl.int32)
         end = tl.load(offsets_ptr + group).to(tl.int32)
@@ -155,7 +151,7 @@ if HAS_TRITON:
             q = tl.load(q_ptr + src[:, None] * stride_qn + cols[None, :] * stride_qc,
                         mask=r_mask[:, None] & col_mask[None, :], other=0.0)  # fmt: skip
             acc = tl.dot(p, q, acc)
-        return acc
+        return acc, group, ms, cols, m_mask, col_mask
 
     @triton.jit
     def _grouped_weight_grad_kernel(
@@ -164,13 +160,12 @@ if HAS_TRITON:
         stride_pn, stride_pm, stride_qn, stride_qc, stride_oe, stride_om, stride_oc,
         GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        group, ms, cols = weight_grad_tile_of_program(M, num_cols, BLOCK_M, BLOCK_N)
-        acc = weight_grad_tile(
-            p_ptr, q_ptr, order_ptr, offsets_ptr, group, ms, cols, M, num_cols, top_k,
-            stride_pn, stride_pm, stride_qn, stride_qc, GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+        acc, group, ms, cols, m_mask, col_mask = weight_grad_tile(
+            p_ptr, q_ptr, order_ptr, offsets_ptr, M, num_cols, top_k, stride_pn, stride_pm, stride_qn, stride_qc,
+            GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         out_ptrs = out_ptr + group.to(tl.int64) * stride_oe + ms[:, None] * stride_om + cols[None, :] * stride_oc
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(ms < M)[:, None] & (cols < num_cols)[None, :])
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & col_mask[None, :])
 
 
 def _check_operands(name: str, a: torch.Tensor, offsets_E: torch.Tensor, gather_order: torch.Tensor | None) -> None:

@@ -29,11 +29,10 @@ from moetune.kernels.grouped_gemm import grouped_weight_grad_reference
 
 if HAS_TRITON:
     from moetune.kernels.adamw_math import adamw_scalars, adamw_update
-    from moetune.kernels.grouped_gemm import weight_grad_tile, weight_grad_tile_of_program
+    from moetune.kernels.grouped_gemm import weight_grad_tile
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); benchmarks/grouped_update_probe.py times others.
-UPDATE_CONFIG = (64, 64, 64, 4, 4)
-PREFETCH = True
+UPDATE_CONFIG = (128, 128, 64, 8, 3)
 
 
 def grouped_weight_adamw_reference(
@@ -67,29 +66,22 @@ if HAS_TRITON:
         beta1, beta2, eps, weight_decay,
         lr, bias_correction1, bias_correction2_sqrt, lr_ptr, step_ptr, log2_beta1, log2_beta2,
         GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        LR_ON_DEVICE: tl.constexpr, STEP_ON_DEVICE: tl.constexpr, PREFETCH: tl.constexpr,
+        LR_ON_DEVICE: tl.constexpr, STEP_ON_DEVICE: tl.constexpr,
     ):  # fmt: skip
-        group, ms, cols = weight_grad_tile_of_program(M, num_cols, BLOCK_M, BLOCK_N)
-        offsets = (group.to(tl.int64) * stride_we + ms.to(tl.int64)[:, None] * stride_wm
-                   + cols.to(tl.int64)[None, :] * stride_wc)  # fmt: skip
-        mask = (ms < M)[:, None] & (cols < num_cols)[None, :]
-        if PREFETCH:  # the weight and moments read from HBM while the MMAs run (they wait only at use)
-            param = tl.load(param_ptr + offsets, mask=mask, eviction_policy="evict_first")
-            exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, eviction_policy="evict_first")
-            exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, eviction_policy="evict_first")
-        grad = weight_grad_tile(
-            p_ptr, q_ptr, order_ptr, offsets_ptr, group, ms, cols, M, num_cols, top_k,
-            stride_pn, stride_pm, stride_qn, stride_qc, GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
+        grad, group, ms, cols, m_mask, col_mask = weight_grad_tile(
+            p_ptr, q_ptr, order_ptr, offsets_ptr, M, num_cols, top_k, stride_pn, stride_pm, stride_qn, stride_qc,
+            GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
         )  # fmt: skip
         lr, bias_correction1, bias_correction2_sqrt = adamw_scalars(
             lr, bias_correction1, bias_correction2_sqrt, lr_ptr, step_ptr, log2_beta1, log2_beta2,
             LR_ON_DEVICE, STEP_ON_DEVICE,
         )  # fmt: skip
-        if not PREFETCH:
-            param = tl.load(param_ptr + offsets, mask=mask, eviction_policy="evict_first")
-            exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, eviction_policy="evict_first")
-            exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, eviction_policy="evict_first")
-        param, exp_avg, exp_avg_sq = param.to(tl.float32), exp_avg.to(tl.float32), exp_avg_sq.to(tl.float32)
+        offsets = (group.to(tl.int64) * stride_we + ms.to(tl.int64)[:, None] * stride_wm
+                   + cols.to(tl.int64)[None, :] * stride_wc)  # fmt: skip
+        mask = m_mask[:, None] & col_mask[None, :]
+        param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
+        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
+        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
         param, exp_avg, exp_avg_sq = adamw_update(
             param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt
         )
@@ -103,7 +95,7 @@ def grouped_weight_adamw_(
     p: torch.Tensor, q: torch.Tensor, offsets_E: torch.Tensor, *,
     lr: float | torch.Tensor, step: int | torch.Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
     q_gather_order: torch.Tensor | None = None, top_k: int = 1, impl: Impl = "auto",
-    config: tuple[int, int, int, int, int] | None = None, prefetch: bool = PREFETCH,
+    config: tuple[int, int, int, int, int] | None = None,
 ) -> None:  # fmt: skip
     """AdamW step, in place, of ``param`` [E, M, C] (any strides; the moments share them) whose
     gradient is ``p[rows_e]^T @ q_rows[rows_e]`` per expert e (``q_rows = q[q_gather_order // top_k]``
@@ -135,5 +127,5 @@ def grouped_weight_adamw_(
             p.stride(0), p.stride(1), q.stride(0), q.stride(1), param.stride(0), param.stride(1), param.stride(2),
             beta1, beta2, eps, weight_decay, **launch_scalars(lr, step, beta1, beta2, dummy=param),
             GATHER=q_gather_order is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages,
         )  # fmt: skip

@@ -59,8 +59,7 @@ def test_states_must_share_the_weights_strides():
 
 @pytest.mark.parametrize("gather", [True, False], ids=["gathered", "rows"])
 @pytest.mark.parametrize("scalars", ["host", "device"])
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "after"])
-def test_kernel_equals_reference_interpreter(interpret, gather, scalars, prefetch):
+def test_kernel_equals_reference_interpreter(interpret, gather, scalars):
     offsets, order, p, q, tensors = case()
     if not gather:
         q = torch.randn(p.shape[0], q.shape[1])
@@ -68,7 +67,7 @@ def test_kernel_equals_reference_interpreter(interpret, gather, scalars, prefetc
     lr, step = (3e-3, 4) if scalars == "host" else (torch.tensor(3e-3), torch.tensor(4.0))
     expected = [t.clone() for t in tensors]
     grouped_weight_adamw_reference(*expected, p, q, offsets, lr=3e-3, step=4, **HYPER, **kwargs)
-    grouped_weight_adamw_(*tensors, p, q, offsets, lr=lr, step=step, impl="triton", config=SMALL, prefetch=prefetch, **HYPER, **kwargs)
+    grouped_weight_adamw_(*tensors, p, q, offsets, lr=lr, step=step, impl="triton", config=SMALL, **HYPER, **kwargs)
     for got, want in zip(tensors, expected):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
