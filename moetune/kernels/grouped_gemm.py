@@ -118,15 +118,14 @@ if HAS_TRITON:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
     @triton.jit
-    def weight_grad_tile(
-        p_ptr, q_ptr, order_ptr, offsets_ptr, M, num_cols, top_k,
-        stride_pn, stride_pm, stride_qn, stride_qc,
+    def _grouped_weight_grad_kernel(
+        p_ptr, q_ptr, order_ptr, out_ptr, offsets_ptr,
+        M, num_cols, top_k,
+        stride_pn, stride_pm, stride_qn, stride_qc, stride_oe, stride_om, stride_oc,
         GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """This program's fp32 tile of ``p[rows_g]^T @ q[rows_g]``: (acc, group g, its M indices,
-        column indices). Program = (group, M tile, column tile), group outermost: the tiles of one
-        group run together and share its rows of p and q in L2. The reduction runs over the
-        group's rows."""
+        # Program = (group, M tile, column tile), group outermost: the tiles of one group run
+        # together and share its rows of p and q in L2. The reduction runs over the group's rows.
         pid = tl.program_id(0)
         num_m_tiles = tl.cdiv(M, BLOCK_M)
         num_col_tiles = tl.cdiv(num_cols, BLOCK_N)
@@ -151,19 +150,6 @@ if HAS_TRITON:
             q = tl.load(q_ptr + src[:, None] * stride_qn + cols[None, :] * stride_qc,
                         mask=r_mask[:, None] & col_mask[None, :], other=0.0)  # fmt: skip
             acc = tl.dot(p, q, acc)
-        return acc, group, ms, cols, m_mask, col_mask
-
-    @triton.jit
-    def _grouped_weight_grad_kernel(
-        p_ptr, q_ptr, order_ptr, out_ptr, offsets_ptr,
-        M, num_cols, top_k,
-        stride_pn, stride_pm, stride_qn, stride_qc, stride_oe, stride_om, stride_oc,
-        GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        acc, group, ms, cols, m_mask, col_mask = weight_grad_tile(
-            p_ptr, q_ptr, order_ptr, offsets_ptr, M, num_cols, top_k, stride_pn, stride_pm, stride_qn, stride_qc,
-            GATHER, BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
         out_ptrs = out_ptr + group.to(tl.int64) * stride_oe + ms[:, None] * stride_om + cols[None, :] * stride_oc
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & col_mask[None, :])
 

@@ -16,15 +16,12 @@ update in place (``group["lr"].fill_(lr)``, which torch's LR schedulers do for t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 
 from moetune.kernels._triton_utils import HAS_TRITON, device_of, tl, triton
-from moetune.kernels.adamw_math import launch_scalars
-
-if HAS_TRITON:
-    from moetune.kernels.adamw_math import adamw_scalars, adamw_update
 
 # Small blocks, many programs: 4.25 TB/s on an H200 (its copy ceiling) against 4.11 for 4096 / 8
 # warps (benchmarks/adamw_probe.py).
@@ -36,23 +33,27 @@ if HAS_TRITON:
     @triton.jit
     def _adamw_kernel(
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, num_elements,
-        beta1, beta2, eps, weight_decay,
-        lr, bias_correction1, bias_correction2_sqrt, lr_ptr, step_ptr, log2_beta1, log2_beta2,
+        lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+        lr_ptr, step_ptr, log2_beta1, log2_beta2,
         BLOCK: tl.constexpr, LR_ON_DEVICE: tl.constexpr, STEP_ON_DEVICE: tl.constexpr,
     ):  # fmt: skip
-        lr, bias_correction1, bias_correction2_sqrt = adamw_scalars(
-            lr, bias_correction1, bias_correction2_sqrt, lr_ptr, step_ptr, log2_beta1, log2_beta2,
-            LR_ON_DEVICE, STEP_ON_DEVICE,
-        )  # fmt: skip
+        if LR_ON_DEVICE:
+            lr = tl.load(lr_ptr).to(tl.float32)
+        if STEP_ON_DEVICE:  # beta**step as exp2(step * log2(beta)): fp32, like torch's capturable AdamW
+            step = tl.load(step_ptr).to(tl.float32)
+            bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
+            bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < num_elements
         param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
         grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
         exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
-        param, exp_avg, exp_avg_sq = adamw_update(
-            param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt
-        )
+        param = param * (1.0 - lr * weight_decay)
+        exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
+        exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
+        denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+        param = param - (lr / bias_correction1) * exp_avg / denom
         tl.store(param_ptr + offsets, param.to(param_ptr.dtype.element_ty), mask=mask)
         tl.store(exp_avg_ptr + offsets, exp_avg.to(exp_avg_ptr.dtype.element_ty), mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
@@ -235,8 +236,18 @@ def _triton_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, wei
     num_elements = param.numel()
     if num_elements == 0:
         return
+    lr_on_device, step_on_device = isinstance(lr, torch.Tensor), isinstance(step, torch.Tensor)
+    host_lr = 0.0 if lr_on_device else lr
+    bias_correction1 = 1.0 if step_on_device else 1.0 - beta1**step
+    bias_correction2_sqrt = 1.0 if step_on_device else math.sqrt(1.0 - beta2**step)
     with device_of(param):
         _adamw_kernel[(triton.cdiv(num_elements, _BLOCK),)](
-            param, grad, exp_avg, exp_avg_sq, num_elements, beta1, beta2, eps, weight_decay,
-            **launch_scalars(lr, step, beta1, beta2, dummy=param), BLOCK=_BLOCK, num_warps=_NUM_WARPS,
+            param, grad, exp_avg, exp_avg_sq, num_elements,
+            host_lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
+            lr if lr_on_device else param, step if step_on_device else param, _log2(beta1), _log2(beta2),
+            BLOCK=_BLOCK, LR_ON_DEVICE=lr_on_device, STEP_ON_DEVICE=step_on_device, num_warps=_NUM_WARPS,
         )  # fmt: skip
+
+
+def _log2(beta: float) -> float:
+    return math.log2(beta) if beta > 0 else -math.inf
