@@ -125,6 +125,13 @@ def _varlen_applies(q: torch.Tensor, dtype: torch.dtype) -> bool:
             and _has_flash_attention(q.device.index))
 
 
+def flash_kernels_apply(q: torch.Tensor) -> bool:
+    """Whether torch's flash / cuDNN attention kernels can take queries ``q``: CUDA sm80+, half
+    precision (``q``'s dtype or CUDA autocast's), head dim <= 256. They also need values as wide as
+    the queries: the caller's to arrange."""
+    return _varlen_applies(q, cuda_autocast_dtype(q) or q.dtype)
+
+
 @functools.cache
 def _has_flash_attention(device_index: int | None) -> bool:
     """torch's flash kernels need sm80 (Ampere) or newer; older GPUs take the masked SDPA path."""

@@ -3,8 +3,8 @@ group-limited sigmoid router -> dispatch -> grouped experts -> combine, plus the
 
 Subclasses Transformers' classes, so module paths, parameter names (``mlp.gate.weight``,
 ``mlp.gate.e_score_correction_bias``, ``mlp.experts.gate_up_proj``, ``mlp.shared_experts.*``),
-multi-head latent attention, ``generate`` and the KV cache are Transformers' own (the attention
-keeps packed documents apart by their offsets); the sparse block and the decoder norms are moetune's. Like Transformers' model it has no aux loss (the
+multi-head latent attention's parameters, ``generate`` and the KV cache are Transformers' own (the
+attention runs torch's fast kernels and keeps packed documents apart by their offsets); the sparse block and the decoder norms are moetune's. Like Transformers' model it has no aux loss (the
 router balances through its score-correction bias) and ignores the multi-token-prediction layer
 that Hub checkpoints store as ``model.layers.61``.
 """
@@ -12,12 +12,13 @@ that Hub checkpoints store as ``model.layers.61``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout
 from moetune.kernels import RMSNorm
-from moetune.layers.document_attention import document_causal_attention, has_cache, pop_documents
+from moetune.layers.document_attention import document_causal_attention, flash_kernels_apply, has_cache, pop_documents
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.moe import GroupedExperts, GroupLimitedSigmoidRouter, MoEBlock
 
@@ -61,15 +62,23 @@ def build_moe_block(config) -> MoEBlock:
 
 
 class DeepseekV3Attention(hf.DeepseekV3Attention):
-    """Transformers' multi-head latent attention (same parameters and math); given packed documents'
-    offsets (``cu_seq_lens_q``) and no mask, cache or dropout, attention stays inside each document
-    (``moetune.layers.document_attention``; its masked SDPA path, as the value heads are narrower
-    than the query / key heads). Anything else goes to Transformers' forward."""
+    """Transformers' multi-head latent attention (same parameters and math). Without a mask, cache
+    or dropout moetune runs the attention itself: causal SDPA, or, given packed documents' offsets
+    (``cu_seq_lens_q``), attention inside each document (``moetune.layers.document_attention``).
+    Anything else goes to Transformers' forward.
+
+    The value heads are narrower than the query / key heads (128 against 192 in DeepSeek-V3 and
+    Kimi-K2), which torch's flash and cuDNN kernels do not take: SDPA then falls back to its
+    memory-efficient kernel, and packed rows to a [S, S] mask. Where those kernels run (CUDA, half
+    precision), the values are zero-padded to the query width and the output sliced back, as
+    Transformers does for flash-attention-2: the padded columns contribute nothing, so the result
+    is the same attention."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         offsets_N, max_length = pop_documents(kwargs)
         dropout = self.attention_dropout if self.training else 0.0
-        if offsets_N is None or has_cache(kwargs) or dropout or attention_mask is not None:
+        plain_causal = offsets_N is None and self.config._attn_implementation == "sdpa"
+        if has_cache(kwargs) or dropout or attention_mask is not None or not (offsets_N is not None or plain_causal):
             return super().forward(hidden_states, position_embeddings=position_embeddings,
                                    attention_mask=attention_mask, **kwargs)
         B, S = hidden_states.shape[:-1]
@@ -86,10 +95,16 @@ class DeepseekV3Attention(hf.DeepseekV3Attention):
         q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, S, self.qk_rope_head_dim), *position_embeddings)
         q_BHSD = torch.cat((q_pass, q_rot), dim=-1)
         k_BHSD = torch.cat((k_pass, k_rot.expand(*k_pass.shape[:-1], -1)), dim=-1)
-        out_BSHD = document_causal_attention(
-            q_BHSD.transpose(1, 2), k_BHSD.transpose(1, 2), v_BHSD.transpose(1, 2), offsets_N,
-            max_length=max_length or S, scaling=self.scaling,
-        )  # fmt: skip
+        if self.v_head_dim < self.qk_head_dim and flash_kernels_apply(q_BHSD):
+            v_BHSD = F.pad(v_BHSD, (0, self.qk_head_dim - self.v_head_dim))
+        if offsets_N is None:
+            out_BSHD = F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=self.scaling).transpose(1, 2)
+        else:
+            out_BSHD = document_causal_attention(
+                q_BHSD.transpose(1, 2), k_BHSD.transpose(1, 2), v_BHSD.transpose(1, 2), offsets_N,
+                max_length=max_length or S, scaling=self.scaling,
+            )  # fmt: skip
+        out_BSHD = out_BSHD[..., : self.v_head_dim]
         return self.o_proj(out_BSHD.reshape(B, S, -1)), None
 
 
