@@ -32,6 +32,7 @@
 #                all-gather dispatcher and replicated dense parameters: Nemotron 3 Nano and Moonlight-16B-A3B
 #                (DeepSeek-V3's architecture) at 16 layers, GPT-OSS-20B at 12
 #     otherarchgraph  the same, moetune's step replayed from CUDA graphs with the updates in the backward
+#                (OTHERARCH_SPECS="config:layers ...": a subset, e.g. "nemotron_3_nano_30b_a3b:16")
 #     recipe     `moetune finetune`'s own tokens/s, eager and with training.cuda_graph, on one GPU (8 layers)
 #                and on two (16 layers, ep=2) (benchmarks/recipe_probe.py; packed synthetic chat rows)
 #                RECIPE_CONFIG=nemotron_3_nano_30b_a3b (or another shipped bench config): another architecture
@@ -82,14 +83,14 @@ fi
 
 if stage otherarch; then
   echo "== other architectures: ${NPROC} GPUs, Transformers + FSDP2 vs moetune ep=${NPROC} (eager), real routing"
-  for spec in nemotron_3_nano_30b_a3b:16 moonlight_16b_a3b:16 gpt_oss_20b:12; do
+  for spec in ${OTHERARCH_SPECS:-nemotron_3_nano_30b_a3b:16 moonlight_16b_a3b:16 gpt_oss_20b:12}; do
     LAYERS="${spec#*:}" bench2 170 --config "${spec%%:*}" --routing real "${GRAPHABLE_EP[@]}"
   done
 fi
 
 if stage otherarchgraph; then
   echo "== other architectures: ${NPROC} GPUs, Transformers + FSDP2 vs moetune ep=${NPROC} (graphed), real routing"
-  for spec in nemotron_3_nano_30b_a3b:16 moonlight_16b_a3b:16 gpt_oss_20b:12; do
+  for spec in ${OTHERARCH_SPECS:-nemotron_3_nano_30b_a3b:16 moonlight_16b_a3b:16 gpt_oss_20b:12}; do
     LAYERS="${spec#*:}" bench2 170 --config "${spec%%:*}" --routing real --moetune-cuda-graph --moetune-overlap-optimizer \
       "${GRAPHABLE_EP[@]}"
   done
