@@ -68,11 +68,12 @@ class DeepseekV3Attention(hf.DeepseekV3Attention):
     Anything else goes to Transformers' forward.
 
     The value heads are narrower than the query / key heads (128 against 192 in DeepSeek-V3 and
-    Kimi-K2), which torch's flash and cuDNN kernels do not take: SDPA then falls back to its
-    memory-efficient kernel, and packed rows to a [S, S] mask. Where those kernels run (CUDA, half
-    precision), the values are zero-padded to the query width and the output sliced back, as
-    Transformers does for flash-attention-2: the padded columns contribute nothing, so the result
-    is the same attention."""
+    Kimi-K2), which torch's flash kernels do not take: packed rows would need a [S, S] document
+    mask through SDPA. Where those kernels run (CUDA, half precision), the values are zero-padded
+    to the query width and the output sliced back, as Transformers does for flash-attention-2: the
+    padded columns contribute nothing, so the result is the same attention. Measured on an H200
+    (Moonlight-16B-A3B, packed rows): the recipe 1.14-1.17x faster; unpacked rows unchanged
+    (benchmarks/results/session14/NOTE.md)."""
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         offsets_N, max_length = pop_documents(kwargs)
