@@ -72,6 +72,7 @@ def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) 
                           "distributed.dense_parallel": "replicate"})
     if name.endswith("graph"):
         overrides["training.cuda_graph"] = "true"
+    overrides.update(dict(item.split("=", 1) for item in args.override))
     command = [sys.executable, "-m", "moetune.cli", "finetune"]
     if args.nproc > 1:
         command += ["--nproc-per-node", str(args.nproc)]
@@ -91,6 +92,8 @@ def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) 
         output, _ = proc.communicate()
     result = {"variant": name, "source": str(root), "returncode": proc.returncode, "wall_s": round(time.time() - start, 1)}
     (args.out / f"recipe_probe_{name}.log").write_text(output)
+    if (out / "profile").is_dir():  # metrics.profile_start given through --override
+        shutil.copytree(out / "profile", args.out / f"recipe_profile_{name}", dirs_exist_ok=True)
     if proc.returncode != 0:
         result["error_tail"] = output[-6000:]
         return result
@@ -118,6 +121,8 @@ def main() -> None:
     parser.add_argument("--variants", default="eager,graph",
                         help="comma list: eager, graph (this tree); base-eager, base-graph (--baseline-root)")
     parser.add_argument("--baseline-root", type=Path, default=None)
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe setting for every variant, e.g. metrics.profile_start=20 (repeatable)")
     parser.add_argument("--max-length", type=int, default=4096)
     parser.add_argument("--min-chars", type=int, default=200)
     parser.add_argument("--max-chars", type=int, default=3000)

@@ -154,6 +154,11 @@ class MetricsConfig:
     """Also log to this Weights & Biases project when ``wandb`` is installed (empty: off)."""
     plots: bool = True
     """Write PNG plots of the loss curves and expert load per layer at the end."""
+    profile_start: int = 0
+    """Profile the training loop with torch.profiler from this step (1-based; 0: off), for
+    ``profile_steps`` steps; traces and kernel tables go to output_dir/profile (moetune/recipe/profiling.py)."""
+    profile_steps: int = 3
+    """How many steps ``profile_start`` profiles."""
 
 
 @dataclass
@@ -275,6 +280,7 @@ def validate(config: JobConfig) -> JobConfig:
         ("data.max_length", config.data.max_length),
         ("checkpoint.keep_last", config.checkpoint.keep_last),
         ("metrics.log_every", config.metrics.log_every),
+        ("metrics.profile_steps", config.metrics.profile_steps),
         ("distributed.ep_overlap_chunks", config.distributed.ep_overlap_chunks),
     ]:
         check(value >= 1, name, f"must be >= 1, got {value}")
@@ -285,6 +291,7 @@ def validate(config: JobConfig) -> JobConfig:
         ("optim.grad_clip", config.optim.grad_clip),
         ("checkpoint.every", config.checkpoint.every),
         ("training.val_every", config.training.val_every),
+        ("metrics.profile_start", config.metrics.profile_start),
         ("training.num_threads", config.training.num_threads),
         ("data.num_eval_samples", config.data.num_eval_samples),
     ]:

@@ -25,6 +25,7 @@ from moetune.recipe.model_loading import (
     build_model, check_model_for_job, load_model_config, load_tokenizer, model_fingerprint,
 )
 from moetune.recipe.packing import Batch, BatchStream, fixed_batches, max_documents_per_row
+from moetune.recipe.profiling import StepProfiler
 from moetune.recipe.step import GraphedTrainStep, NonFiniteLossError, StepResult, train_step
 from moetune.training import set_learning_rate
 
@@ -245,22 +246,26 @@ def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metri
         graphed = GraphedTrainStep(job.model, job.optimizer, micro_batches=config.training.grad_accum_steps,
                                    num_offsets=job.num_offsets, **{**step_options, "autocast": autocast_for(
                                        precision, job.runtime.device, cache_enabled=False)})
+    profiler = StepProfiler(start=config.metrics.profile_start, count=config.metrics.profile_steps,
+                            out_dir=job.out_dir, rank=job.runtime.rank, device=job.runtime.device)
     try:
         return _run_steps(job, config, sink, step=step, losses=losses, graphed=graphed, step_options=step_options,
-                          flops=flops)
+                          flops=flops, profiler=profiler)
     finally:
+        profiler.close()
         if graphed is not None:
             graphed.close()
 
 
 def _run_steps(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.NullSink, *, step: int,
                losses: list[float], graphed: GraphedTrainStep | None, step_options: dict[str, Any],
-               flops: FlopsCounter) -> tuple[int, bool]:
+               flops: FlopsCounter, profiler: StepProfiler) -> tuple[int, bool]:
     window: list[StepResult] = []
     window_flops = window_tokens = 0.0  # this rank's own documents: FLOPs per real token of the window
     window_start = time.perf_counter()
     with StopRequest() as stop:
         while step < config.training.steps:
+            profiler.begin(step + 1)
             set_learning_rate(job.optimizer, optim.lr_at(step, config.optim, total_steps=config.training.steps))
             micro_batches = [next(job.stream) for _ in range(config.training.grad_accum_steps)]
             try:
@@ -275,6 +280,7 @@ def _run_steps(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.
                 raise NonFiniteLossError(f"training stopped at step {step + 1}: {err}. Nothing was saved; {kept}. "
                                          "Try a lower optim.lr or optim.grad_clip.") from err
             step += 1
+            profiler.end(step)
             losses.append(result.loss)
             window.append(result)
             window_flops += flops.of_documents([n for batch in micro_batches for n in batch.sample_lengths])

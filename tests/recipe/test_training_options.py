@@ -97,3 +97,25 @@ def test_nemotron_h_packed_rows_recompute_the_same_under_activation_checkpointin
     plain = finetune(tiny_job(tmp_path / "plain", **options))
     recomputed = finetune(tiny_job(tmp_path / "ckpt", model__activation_checkpointing="true", **options))
     assert recomputed.losses == pytest.approx(plain.losses, rel=1e-5)
+
+
+def test_profile_steps_write_a_trace_and_the_top_operators(tiny_job, tmp_path):
+    """metrics.profile_start / profile_steps: torch.profiler over those steps of the loop; the trace,
+    the operator table and a summary land in output_dir/profile, and training goes on after it."""
+    out = tmp_path / "profiled"
+    result = finetune(tiny_job(out, metrics__profile_start=2, metrics__profile_steps=2))
+    assert len(result.losses) == 4
+    profile = out / "profile"
+    trace = json.loads((profile / "trace_rank0.json").read_text())
+    assert any(event.get("name", "").startswith("aten::mm") for event in trace["traceEvents"])
+    assert "aten::" in (profile / "ops_rank0.txt").read_text()
+    summary = json.loads((profile / "summary_rank0.json").read_text())
+    assert summary["steps"] == 2 and summary["wall_ms_per_step"] > 0 and summary["device_busy_ms_per_step"] is None
+    assert summary["top"] and all(entry["ms_per_step"] >= 0 for entry in summary["top"])
+
+
+def test_profile_settings_are_checked(tiny_job):
+    with pytest.raises(ValueError, match="metrics.profile_steps"):
+        tiny_job(metrics__profile_start=1, metrics__profile_steps=0)
+    with pytest.raises(ValueError, match="metrics.profile_start"):
+        tiny_job(metrics__profile_start=-1)
