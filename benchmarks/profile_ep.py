@@ -23,20 +23,7 @@ import torch.distributed as dist
 from moetune.bench.cli import _moetune_options
 from moetune.bench.measure import make_optimizer
 from moetune.bench.models import build_moetune, load_config
-
-
-def interval_union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def total(intervals: list[tuple[float, float]]) -> float:
-    return sum(end - start for start, end in intervals)
+from moetune.utils.timeline import interval_union, total
 
 
 def minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:

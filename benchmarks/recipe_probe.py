@@ -133,6 +133,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--work", type=Path, default=Path("/tmp/moetune_recipe_probe"))
     args = parser.parse_args()
+    for item in args.override:
+        if "=" not in item:
+            parser.error(f"--override wants KEY=VALUE (e.g. metrics.profile_start=20), got {item!r}")
     args.work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = args.nproc * (args.steps + 5) * max(1, args.max_length // ((args.min_chars + args.max_chars) // 2)) * 2

@@ -198,7 +198,8 @@ def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window, packed
     the sinks folded in against Transformers' eager math in fp32 (output and the gradients of q, k,
     v and the sinks), no further off than the eager math in bf16; packed: documents of 300, 200 and
     500 tokens per row, offsets padded with repeats."""
-    from moetune.layers.sink_attention import _allowed_keys, _eager_sink_attention, flash_sinks_supported, sink_attention
+    from moetune.layers.document_attention import flash_kernels_apply
+    from moetune.layers.sink_attention import _allowed_keys, _eager_sink_attention, sink_attention
     from tests.conftest import rel_err
 
     torch.manual_seed(0)
@@ -221,7 +222,7 @@ def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window, packed
         out = fn(*leaves)
         return [out.detach().float(), *(g.float() for g in torch.autograd.grad((out.float() * probe).sum(), leaves))]
 
-    assert flash_sinks_supported(q.bfloat16())
+    assert flash_kernels_apply(q.bfloat16())
     reference = run(eager, torch.float32)
     eager_bf16 = run(eager, torch.bfloat16)
     flash_bf16 = run(flash, torch.bfloat16)

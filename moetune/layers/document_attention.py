@@ -85,7 +85,7 @@ def document_causal_attention(
     if offsets_N.dim() != 1 or offsets_N.numel() < 2:
         raise ValueError(f"document attention: cu_seq_lens_q must be 1-D with >= 2 offsets, got {tuple(offsets_N.shape)}")
     dtype = cuda_autocast_dtype(q_BSHD) or q_BSHD.dtype  # SDPA's dtype under autocast
-    varlen = _varlen_kernel() if _varlen_applies(q_BSHD, dtype) and v_BSKD.shape[-1] == D else None
+    varlen = _varlen_kernel() if flash_kernels_apply(q_BSHD) and v_BSKD.shape[-1] == D else None
     if varlen is not None:
         # Under autocast the projections may come in different dtypes; SDPA would cast them too.
         q_BSHD, k_BSKD, v_BSKD = (t.to(dtype) for t in (q_BSHD, k_BSKD, v_BSKD))
@@ -120,16 +120,14 @@ def document_causal_mask(offsets_N: torch.Tensor, *, batch: int, seq_len: int) -
     return (same_BSS & causal_SS).unsqueeze(1)
 
 
-def _varlen_applies(q: torch.Tensor, dtype: torch.dtype) -> bool:
-    return (q.is_cuda and dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256
-            and _has_flash_attention(q.device.index))
-
-
 def flash_kernels_apply(q: torch.Tensor) -> bool:
     """Whether torch's flash / cuDNN attention kernels can take queries ``q``: CUDA sm80+, half
-    precision (``q``'s dtype or CUDA autocast's), head dim <= 256. They also need values as wide as
-    the queries: the caller's to arrange."""
-    return _varlen_applies(q, cuda_autocast_dtype(q) or q.dtype)
+    precision (``q``'s dtype or CUDA autocast's), head dim a multiple of 8 up to 256. They also
+    need values as wide as the queries: the caller's to arrange."""
+    dtype = cuda_autocast_dtype(q) or q.dtype
+    head_dim = q.shape[-1]
+    return (q.is_cuda and dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 and head_dim <= 256
+            and _has_flash_attention(q.device.index))
 
 
 @functools.cache

@@ -18,19 +18,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from moetune.layers.document_attention import document_causal_mask
+from moetune.layers.document_attention import document_causal_mask, flash_kernels_apply
 from moetune.utils.autocast import cuda_autocast_dtype
-
-
-def flash_sinks_supported(q_BHSD: torch.Tensor) -> bool:
-    """torch's flash kernels: CUDA sm80+, bf16 / fp16, head dim a multiple of 8 up to 256."""
-    return (
-        q_BHSD.is_cuda
-        and q_BHSD.dtype in (torch.bfloat16, torch.float16)
-        and torch.cuda.get_device_capability(q_BHSD.device) >= (8, 0)
-        and q_BHSD.shape[-1] % 8 == 0
-        and q_BHSD.shape[-1] <= 256
-    )
 
 
 def sink_attention(
@@ -57,7 +46,7 @@ def sink_attention(
     if dtype is not None:
         q_BHSD, k_BKSD, v_BKSD = q_BHSD.to(dtype), k_BKSD.to(dtype), v_BKSD.to(dtype)
     B, H, S, D = q_BHSD.shape
-    if flash_sinks_supported(q_BHSD):
+    if flash_kernels_apply(q_BHSD):
         to_rows = lambda t: t.transpose(1, 2).reshape(B * S, t.shape[1], D)  # noqa: E731
         if offsets_N is None:
             offsets_N, max_length = torch.arange(0, (B + 1) * S, S, device=q_BHSD.device), S

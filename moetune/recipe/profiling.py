@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from moetune.utils.timeline import interval_union, total
+
 
 class StepProfiler:
     """Profiles steps ``start .. start + count - 1`` (1-based, as logged); ``start = 0``: off.
@@ -64,7 +66,7 @@ class StepProfiler:
         sort_by = "self_device_time_total" if on_device else "self_cpu_time_total"
         (self.out_dir / f"ops_rank{self.rank}.txt").write_text(averages.table(sort_by=sort_by, row_limit=60))
         kernels = [e for e in profiler.events() if on_device and e.device_type == torch.autograd.DeviceType.CUDA]
-        busy_ms = _union_ms([(e.time_range.start, e.time_range.end) for e in kernels])
+        busy_ms = total(interval_union([(e.time_range.start, e.time_range.end) for e in kernels])) / 1e3  # us -> ms
         top = sorted(averages, key=lambda a: getattr(a, sort_by), reverse=True)[:15]
         summary = {
             "steps": steps, "wall_ms_per_step": wall_ms / steps,
@@ -73,14 +75,3 @@ class StepProfiler:
         }
         (self.out_dir / f"summary_rank{self.rank}.json").write_text(json.dumps(summary, indent=1))
 
-
-def _union_ms(intervals_us: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals in microseconds, as milliseconds (overlapping
-    kernels on several streams count once)."""
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals_us):
-        if stop <= end:
-            continue
-        total += stop - max(start, end)
-        end = stop
-    return total / 1e3
