@@ -1,6 +1,7 @@
 """Profile one training step of Transformers v5 and moetune side by side (CUDA).
 
     python benchmarks/profile_step.py --layers 8 --seq-len 4096 [--routing balanced] [--sides hf,moetune]
+    python benchmarks/profile_step.py --config moonlight_16b_a3b --sides hf,moetune+graph --profile
 
 Prints per side: median fwd+bwd and optimizer times, peak memory, and the top CUDA kernels of one
 profiled step, so optimisation goes after the largest measured cost first.
@@ -13,54 +14,29 @@ import contextlib
 import gc
 import json
 import statistics
-from pathlib import Path
 
 import torch
-import transformers
-
-import moetune
-
-CONFIG = Path(__file__).resolve().parents[1] / "moetune/assets/configs/qwen3_30b_a3b.json"
-QWEN3_30B_A3B = dict(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
-    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-    norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
-    router_aux_loss_coef=0.001, output_router_logits=False,
-)
 
 
-def balanced_hf_router(self, hidden_states):
-    from moetune.moe.routing import balanced_assignment
+def build(side: str, args) -> tuple[torch.nn.Module, contextlib.AbstractContextManager]:
+    """The side as ``moetune bench`` builds it (same weights from the seed, same attention and experts
+    implementations), and the context that sets its routing."""
+    from moetune.bench.models import build_side, load_config
 
-    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
-    logits = torch.nn.functional.linear(hidden_states, self.weight)
-    weights, experts = balanced_assignment(
-        hidden_states.shape[0], num_experts=self.num_experts, top_k=self.top_k, device=logits.device, dtype=logits.dtype
-    )
-    return logits, weights, experts
-
-
-def build(side: str, layers: int, balanced: bool):
-    cfg = transformers.Qwen3MoeConfig(**{**QWEN3_30B_A3B, "num_hidden_layers": layers})
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        if side == "hf":
-            model = transformers.AutoModelForCausalLM.from_config(
-                cfg, dtype=torch.bfloat16, attn_implementation="sdpa", experts_implementation="grouped_mm"
-            )
-        else:
-            model = moetune.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, balanced_gate=balanced)
-    if side == "hf" and balanced:
-        from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
-
-        hf.Qwen3MoeTopKRouter.forward = balanced_hf_router
-    return model.train()
+    _, config = load_config(args.config, layers=args.layers)
+    bench_model = build_side(side, config, device=torch.device("cuda"), seed=0)
+    return bench_model.model, bench_model.routing_context(args.routing == "balanced")
 
 
 def run(side: str, args) -> dict:
     """Sides: hf, moetune, and moetune variants: +adamw (moetune's AdamW kernel), +inbwd (stepped
     during backward), +graph (moetune.training.CUDAGraphTrainStep with the capturable kernel)."""
-    model = build(side.split("+")[0], args.layers, args.routing == "balanced")
+    model, routing = build(side.split("+")[0], args)
+    with routing:
+        return _run(model, side, args)
+
+
+def _run(model: torch.nn.Module, side: str, args) -> dict:
     if "+adamw" in side or "+graph" in side:
         from moetune.optim import AdamW
 
@@ -179,6 +155,7 @@ def gpu_timeline(prof, top: int = 15) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="qwen3_30b_a3b", help="a shipped bench config or a config.json")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--micro-batch", type=int, default=1)
