@@ -45,6 +45,75 @@ def test_cuda_kernel_matches_torch_fused_adamw(dtype):
     assert rel_err(ours.float(), ref.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+def _clipped_run(model: torch.nn.Module, optimizer, batches, *, fold: bool) -> list[float]:
+    """Clip to 0.05 (every step clips) and step; ``fold``: the coefficient goes to the optimizer."""
+    from moetune.distributed import clip_grad_norm_
+
+    norms = []
+    for x in batches:
+        model(x).square().mean().backward()
+        if fold:
+            norms.append(float(clip_grad_norm_(model, 0.05, optimizer=optimizer)))
+        else:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return norms
+
+
+def _mlp(device: str, dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    with torch.device(device):
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).to(dtype)
+
+
+def test_clipping_coefficient_handed_to_the_optimizer_equals_clipping_the_gradients():
+    """clip_grad_norm_(..., optimizer=AdamW) measures torch's norm and hands the coefficient to
+    AdamW's next step (no pass over the gradients): on CPU exactly torch's clip + AdamW."""
+    batches = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    folded, reference = _mlp("cpu", torch.float32), _mlp("cpu", torch.float32)
+    fold_norms = _clipped_run(folded, AdamW(folded.parameters(), lr=1e-2), batches, fold=True)
+    ref_norms = _clipped_run(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2), batches, fold=False)
+    assert fold_norms == ref_norms and min(fold_norms) > 0.05  # every step clipped
+    for a, b in zip(folded.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_gradient_scale_stays_until_cleared_and_in_backward_refuses_it():
+    from moetune.optim import AdamWInBackward
+
+    param = torch.nn.Parameter(torch.zeros(4))
+    optimizer = AdamW([param], lr=0.1, weight_decay=0.0)
+    optimizer.set_gradient_scale(0.0)  # a zero gradient: Adam's update is 0
+    for _ in range(2):
+        param.grad = torch.ones(4)
+        optimizer.step()
+    assert torch.equal(param.detach(), torch.zeros(4))
+    optimizer.set_gradient_scale(None)
+    param.grad = torch.ones(4)
+    optimizer.step()
+    assert bool((param.detach() < 0).all())
+    with pytest.raises(ValueError, match="no gradient clipping"):
+        AdamWInBackward([torch.nn.Parameter(torch.zeros(2))]).set_gradient_scale(0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (Triton kernel)")
+@pytest.mark.parametrize("capturable", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kernel_applies_the_clipping_coefficient(dtype, capturable):
+    """The kernel's scaled gradient read against torch's clip + fused AdamW: the same norms, and
+    parameters within fp32 rounding (bf16: the reference rounds the scaled gradient to bf16 first)."""
+    batches = [torch.randn(8, 64, device="cuda", dtype=dtype) for _ in range(4)]
+    folded, reference = _mlp("cuda", dtype), _mlp("cuda", dtype)
+    fold_norms = _clipped_run(folded, AdamW(folded.parameters(), lr=1e-2, capturable=capturable), batches, fold=True)
+    ref_norms = _clipped_run(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), batches,
+                             fold=False)  # fmt: skip
+    assert fold_norms == pytest.approx(ref_norms, rel=1e-6 if dtype == torch.float32 else 1e-2)
+    for a, b in zip(folded.parameters(), reference.parameters()):
+        assert rel_err(a.float(), b.float()) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
 def test_in_backward_equals_step_after_backward():
     from moetune.optim import AdamWInBackward
 

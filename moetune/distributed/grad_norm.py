@@ -63,19 +63,41 @@ def total_grad_norm(parameters: Iterable[torch.Tensor] | nn.Module, *, norm_type
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor] | nn.Module, max_norm: float, *, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor] | nn.Module, max_norm: float, *, norm_type: float = 2.0,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> torch.Tensor:
     """Scale all gradients so their joint norm is at most ``max_norm``; returns the norm before clipping.
 
     Works for plain tensors, FSDP2 shards and expert-parallel shards mixed in one model (every rank
-    must call it)."""
+    must call it). Nothing reads the norm on the host, so the clipping can be captured in a CUDA
+    graph. ``max_norm=inf`` only measures.
+
+    ``optimizer``: one that scales the gradients as it reads them (``set_gradient_scale``, e.g.
+    ``moetune.optim.AdamW``) gets the clipping coefficient instead, for its next step: no pass over
+    the gradients here (on an H200 the scaling pass took 7.5 of a Qwen3-30B-A3B 8-layer step's 84 ms)."""
     params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
-    total = total_grad_norm(params, norm_type=norm_type)
+    grads = [p.grad for p in params if p.grad is not None]
+    if any(isinstance(grad, DTensor) for grad in grads):
+        total = total_grad_norm(params, norm_type=norm_type)
+    else:  # plain tensors: torch's own norm, so the clipping equals torch.nn.utils.clip_grad_norm_'s
+        total = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros(())
+    if math.isinf(max_norm):
+        if optimizer is not None:
+            optimizer.set_gradient_scale(None)
+        return total
     scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    if optimizer is not None:
+        optimizer.set_gradient_scale(scale)
+        return total
+    grads = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
     for (device, _), same in _by_device_and_dtype(grads).items():
         torch._foreach_mul_(same, scale.to(device))
     return total
+
+
+def scales_gradients(optimizer: object) -> bool:
+    """Whether ``optimizer`` can take the clipping coefficient (``clip_grad_norm_(..., optimizer=)``)."""
+    return callable(getattr(optimizer, "set_gradient_scale", None))
 
 
 def _by_device_and_dtype(tensors: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:

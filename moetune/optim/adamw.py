@@ -34,8 +34,8 @@ if HAS_TRITON:
     def _adamw_kernel(
         param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, num_elements,
         lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
-        lr_ptr, step_ptr, log2_beta1, log2_beta2,
-        BLOCK: tl.constexpr, LR_ON_DEVICE: tl.constexpr, STEP_ON_DEVICE: tl.constexpr,
+        lr_ptr, step_ptr, log2_beta1, log2_beta2, grad_scale_ptr,
+        BLOCK: tl.constexpr, LR_ON_DEVICE: tl.constexpr, STEP_ON_DEVICE: tl.constexpr, SCALE_GRAD: tl.constexpr,
     ):  # fmt: skip
         if LR_ON_DEVICE:
             lr = tl.load(lr_ptr).to(tl.float32)
@@ -47,6 +47,8 @@ if HAS_TRITON:
         mask = offsets < num_elements
         param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
         grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+        if SCALE_GRAD:  # gradient clipping's coefficient, applied as the gradient is read
+            grad = grad * tl.load(grad_scale_ptr).to(tl.float32)
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
         exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
         param = param * (1.0 - lr * weight_decay)
@@ -69,6 +71,9 @@ class AdamW(torch.optim.Optimizer):
     ``capturable=True`` (CUDA parameters and Triton only) keeps each ``step`` and every group's
     ``lr`` as device tensors read by the kernel: no host value is baked into the launches, so the
     step can be captured in a CUDA graph.
+
+    ``set_gradient_scale(coefficient)`` makes the steps read every gradient multiplied by it:
+    gradient clipping (``moetune.optim.clip_grad_norm_``) without its own pass over the gradients.
     """
 
     def __init__(
@@ -85,11 +90,36 @@ class AdamW(torch.optim.Optimizer):
             raise ValueError(f"invalid AdamW hyper-parameters: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=capturable)
         super().__init__(params, defaults)
+        self._grad_scales: dict[torch.device, torch.Tensor] = {}  # set_gradient_scale's buffers
+        self._grad_scale_on = False
         if capturable:
             for group in self.param_groups:
                 _require_capturable(group["params"])
                 device = group["params"][0].device
                 group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(device)
+
+    def set_gradient_scale(self, scale: torch.Tensor | float | None) -> None:
+        """Every later ``step()`` / ``step_parameter()`` reads each gradient multiplied by ``scale``
+        (a 0-d tensor, e.g. a clipping coefficient still on the device, or a number), until
+        ``set_gradient_scale(None)``. The kernel applies it as it reads the gradient, which saves
+        the clipping's own read and write of every gradient (7.5 of a Qwen3-30B-A3B 8-layer step's
+        ~84 ms on an H200). The value is copied into a buffer this optimizer keeps per device, so a
+        step captured in a CUDA graph reads each new value. Where the update falls back to torch's
+        functional AdamW the gradient itself is scaled in place first, as clipping would."""
+        if scale is None:
+            self._grad_scale_on = False
+            return
+        if not isinstance(scale, torch.Tensor):
+            scale = torch.tensor(float(scale), dtype=torch.float32)
+        buffers = self._grad_scales
+        for device in {_local(p).device for group in self.param_groups for p in group["params"]}:
+            if device not in buffers:
+                buffers[device] = torch.ones((), dtype=torch.float32, device=device)
+            buffers[device].copy_(scale, non_blocking=True)
+        self._grad_scale_on = True
+
+    def _grad_scale(self, device: torch.device) -> torch.Tensor | None:
+        return self._grad_scales[device] if self._grad_scale_on else None
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, then each capturable group's rate back to a float32 tensor on its
@@ -143,6 +173,7 @@ class AdamW(torch.optim.Optimizer):
         state = self.state[param]
         self._init_state(param, group)  # AdamWInBackward steps one parameter at a time
         local = _local(param)
+        grad_scale = self._grad_scale(local.device)
         if group["capturable"]:  # step already incremented on the device (``step``)
             lr = group["lr"]
             if isinstance(lr, torch.Tensor) and lr.device != local.device:
@@ -151,14 +182,16 @@ class AdamW(torch.optim.Optimizer):
                 lr = lr.to(local.device)
             _triton_step(local, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                          lr=lr, beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], step=state["step"])  # fmt: skip
+                         weight_decay=group["weight_decay"], step=state["step"], grad_scale=grad_scale)  # fmt: skip
         elif HAS_TRITON and local.is_cuda and local.is_contiguous() and _local(param.grad).is_contiguous():
             state["step"] += 1
             step = int(state["step"].item())  # a host tensor: no device sync
             _triton_step(local, _local(param.grad), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
                          lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], step=step)  # fmt: skip
+                         weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale)  # fmt: skip
         else:  # increments state["step"] itself
+            if grad_scale is not None:
+                _local(param.grad).mul_(grad_scale)
             torch.optim._functional.adamw(
                 [param], [param.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
                 amsgrad=False, beta1=beta1, beta2=beta2, lr=float(group["lr"]), weight_decay=group["weight_decay"],
@@ -196,6 +229,11 @@ class AdamWInBackward(AdamW):
                 raise ValueError("AdamWInBackward supports unsharded parameters only (use AdamW with FSDP2 / EP)")
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
 
+    def set_gradient_scale(self, scale: torch.Tensor | float | None) -> None:
+        if scale is not None:
+            raise ValueError("AdamWInBackward updates each parameter before the gradients' joint norm is known: "
+                             "no gradient clipping (use AdamW)")
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         grad = param.grad
         if self._stream is None or not grad.is_cuda:
@@ -230,9 +268,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else tensor
 
 
-def _triton_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step) -> None:
+def _triton_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
+                 grad_scale: torch.Tensor | None = None) -> None:
     """One AdamW update of one tensor. ``lr`` and ``step`` are Python numbers (bias corrections on
-    the host) or 0-d fp32 device tensors (read by the kernel, for CUDA-graph capture)."""
+    the host) or 0-d fp32 device tensors (read by the kernel, for CUDA-graph capture);
+    ``grad_scale``: a 0-d fp32 device tensor the gradient is multiplied by as it is read."""
     num_elements = param.numel()
     if num_elements == 0:
         return
@@ -245,7 +285,9 @@ def _triton_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, wei
             param, grad, exp_avg, exp_avg_sq, num_elements,
             host_lr, beta1, beta2, eps, weight_decay, bias_correction1, bias_correction2_sqrt,
             lr if lr_on_device else param, step if step_on_device else param, _log2(beta1), _log2(beta2),
-            BLOCK=_BLOCK, LR_ON_DEVICE=lr_on_device, STEP_ON_DEVICE=step_on_device, num_warps=_NUM_WARPS,
+            grad_scale if grad_scale is not None else param,
+            BLOCK=_BLOCK, LR_ON_DEVICE=lr_on_device, STEP_ON_DEVICE=step_on_device, SCALE_GRAD=grad_scale is not None,
+            num_warps=_NUM_WARPS,
         )  # fmt: skip
 
 

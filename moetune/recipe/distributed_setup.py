@@ -99,14 +99,18 @@ def wrap_model(model: torch.nn.Module, runtime: Runtime, config: DistributedConf
     return model
 
 
-def clip_grad_norm(model: torch.nn.Module, *, max_norm: float) -> float:
-    """Clip the global gradient norm (over all ranks' shards) to ``max_norm`` (0: only measure it)."""
-    if is_sharded_by_moetune(model):  # parameters on two meshes (experts / the rest)
-        from moetune.distributed import clip_grad_norm_
+def clip_grad_norm(model: torch.nn.Module, *, max_norm: float, optimizer: torch.optim.Optimizer | None = None) -> float:
+    """Clip the global gradient norm (over all ranks' shards) to ``max_norm`` (0: only measure it).
+    With moetune's AdamW the clipping coefficient goes to the optimizer, which applies it as its
+    step reads each gradient (no pass over the gradients here)."""
+    from moetune.distributed import clip_grad_norm_, scales_gradients
 
-        return float(clip_grad_norm_(model, max_norm if max_norm > 0 else float("inf")))
+    limit = max_norm if max_norm > 0 else float("inf")
+    folded = optimizer if scales_gradients(optimizer) else None
+    if folded is not None or is_sharded_by_moetune(model):  # moetune's: plain, FSDP2 and EP shards alike
+        return float(clip_grad_norm_(model, limit, optimizer=folded))
     params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=max_norm if max_norm > 0 else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm=limit)
     if hasattr(norm, "full_tensor"):  # FSDP2: a DTensor norm
         norm = norm.full_tensor()
     return float(norm)

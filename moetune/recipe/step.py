@@ -93,7 +93,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
                 real_T=batch.real_BT.flatten())  # fmt: skip
             loss.backward()
         loss_sum += lm_loss
-    grad_norm = clip_grad_norm(model, max_norm=grad_clip)
+    grad_norm = clip_grad_norm(model, max_norm=grad_clip, optimizer=optimizer)
     try:
         loss_value = _checked(loss_sum, grad_norm, runtime)
     except NonFiniteLossError:
@@ -117,7 +117,7 @@ class GraphedTrainStep:
                  micro_batches: int, num_offsets: int | None, warmup_steps: int = 2) -> None:
         from moetune.training import CUDAGraphTrainStep
 
-        self.model, self.runtime, self.grad_clip = model, runtime, grad_clip
+        self.model, self.optimizer, self.runtime, self.grad_clip = model, optimizer, runtime, grad_clip
         self.num_offsets = num_offsets
         self._loss_options = {"aux_coef": aux_coef, "num_micro_batches": micro_batches, "autocast": autocast,
                               "expert_load": expert_load}
@@ -155,7 +155,7 @@ class GraphedTrainStep:
             self._graphs.forward_backward(**tensors, num_items=num_items,
                                           real_T=batch.real_BT.flatten().to(device, non_blocking=True))
             loss_sum += self._lm_loss
-        grad_norm = clip_grad_norm(self.model, max_norm=self.grad_clip)  # eager: the host reads it
+        grad_norm = clip_grad_norm(self.model, max_norm=self.grad_clip, optimizer=self.optimizer)  # eager: the host reads it
         loss_value = _checked(loss_sum, grad_norm, self.runtime)  # before the update, as train_step
         self._graphs.optimizer_step()
         return StepResult(loss=loss_value, grad_norm=grad_norm, num_tokens=num_tokens)

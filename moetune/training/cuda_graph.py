@@ -279,9 +279,11 @@ class CUDAGraphTrainStep:
             self._updated.clear()
             return
         if self.max_grad_norm is not None:
-            if self._sharded:  # expert-parallel / FSDP2 DTensors on different meshes: moetune's clipping
-                from moetune.distributed import clip_grad_norm_
+            from moetune.distributed import clip_grad_norm_, scales_gradients
 
+            if scales_gradients(self.optimizer):  # the coefficient goes to the optimizer's kernel
+                clip_grad_norm_(self.params, self.max_grad_norm, optimizer=self.optimizer)
+            elif self._sharded:  # expert-parallel / FSDP2 DTensors on different meshes: moetune's clipping
                 clip_grad_norm_(self.params, self.max_grad_norm)
             else:  # foreach: no host synchronisation (error_if_nonfinite would add one).
                 torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)

@@ -176,13 +176,14 @@ def test_grouped_gemm_compiles_for_hopper(compile_only):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_adamw_compiles_for_hopper(compile_only, dtype):
-    """Host scalars, and device lr / step (the capturable step)."""
+    """Host scalars, device lr / step (the capturable step), and the clipping coefficient."""
     from moetune.optim.adamw import _triton_step
 
     tensors = [torch.zeros(3 * 1024 * 1024, dtype=dtype) for _ in range(4)]
     settings = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
     _triton_step(*tensors, lr=1e-5, step=3, **settings)
     _triton_step(*tensors, lr=torch.tensor(1e-5), step=torch.tensor(3.0), **settings)
+    _triton_step(*tensors, lr=torch.tensor(1e-5), step=torch.tensor(3.0), grad_scale=torch.tensor(0.5), **settings)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

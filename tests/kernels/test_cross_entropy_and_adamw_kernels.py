@@ -104,6 +104,22 @@ def test_adamw_kernel_in_interpreter(interpret, dtype):
         torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
+def test_adamw_kernel_scales_the_gradient_as_it_reads_it_in_interpreter(interpret):
+    """``grad_scale`` (gradient clipping's coefficient) equals the step on the pre-scaled gradient."""
+    from moetune.optim.adamw import _triton_step
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(5_000), torch.randn(5_000), torch.randn(5_000) * 0.1, torch.rand(5_000) * 0.1]
+    folded, prescaled = [t.clone() for t in tensors], [t.clone() for t in tensors]
+    prescaled[1].mul_(0.37)
+    settings = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=4)
+    _triton_step(*folded, grad_scale=torch.tensor(0.37), **settings)
+    _triton_step(*prescaled, **settings)
+    for got, want in zip(folded[::2] + folded[3:], prescaled[::2] + prescaled[3:]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert torch.equal(folded[1], tensors[1])  # the gradient itself is not written
+
+
 def test_adamw_kernel_reads_lr_and_step_from_the_device_in_interpreter(interpret):
     """The capturable variant (lr and step as tensors, bias corrections in the kernel) equals the
     host-scalar one."""
