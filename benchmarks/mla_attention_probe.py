@@ -6,9 +6,10 @@ query / key heads of 192, value heads of 128, bf16), forward + backward captured
    cuDNN >= 9.10; the efficient kernel takes them anywhere), on q / k / v as the strided views of
    the projections that the model passes.
 2. The whole attention module (projections, norms, RoPE, concatenations, attention, output
-   projection): Transformers' against moetune's, and moetune's with the padding turned off.
+   projection): Transformers' against moetune's, and moetune's with the values padded as for the
+   flash kernels (--profile: the kernels of each).
 
-    python benchmarks/mla_attention_probe.py [--out results.jsonl]
+    python benchmarks/mla_attention_probe.py [--out results.jsonl] [--modules-only] [--profile]
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def kernel_variants(out) -> None:
             out.write(json.dumps(row) + "\n")
 
 
-def module_variants(out) -> None:
+def module_variants(out, *, profile: bool) -> None:
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
     from moetune.bench.models import load_config
@@ -92,40 +93,51 @@ def module_variants(out) -> None:
         params = [x, *module.parameters()]
         return lambda: torch.autograd.grad(module(x, position_embeddings, causal_mask)[0], params, grad_out)
 
-    variants = {
-        "transformers": (reference, contextlib.nullcontext()),
-        "moetune": (moetune_attention, contextlib.nullcontext()),
-        "moetune_unpadded_cudnn": (moetune_attention, sdpa_kernel([SDPBackend.CUDNN_ATTENTION])),
-    }
     base = [g.float() for g in step(reference)()]
-    for name, (module, context) in variants.items():
+    # moetune_padded: the values padded to 192 as for the flash kernels (what it ran before)
+    for name, module in (("transformers", reference), ("moetune", moetune_attention), ("moetune_padded", moetune_attention)):
         row = {"part": "module", "variant": name}
-        unpadded = name.endswith("unpadded_cudnn")
-        original = ours.flash_kernels_apply
-        if unpadded:
-            ours.flash_kernels_apply = lambda *args: False
+        original = ours.cudnn_takes_narrower_values
+        if name == "moetune_padded":
+            ours.cudnn_takes_narrower_values = lambda q: False
         try:
-            with context:
-                got = [g.float() for g in step(module)()]
-                row["fwd_bwd_us"] = round(graphed_us(step(module)), 1)
+            got = [g.float() for g in step(module)()]
+            row["fwd_bwd_us"] = round(graphed_us(step(module)), 1)
             row["max_rel_err_vs_transformers"] = f"{max(((a - b).norm() / b.norm()).item() for a, b in zip(got, base)):.1e}"
+            if profile and name != "moetune_padded":
+                print(f"==== {name}: kernels of one forward + backward ====", flush=True)
+                print(kernel_table(step(module)), flush=True)
         except RuntimeError as error:
             row["error"] = str(error).splitlines()[0][:200]
         finally:
-            ours.flash_kernels_apply = original
+            ours.cudnn_takes_narrower_values = original
         print(json.dumps(row), flush=True)
         out.write(json.dumps(row) + "\n")
+
+
+def kernel_table(fn) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=100)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="mla_attention_probe.jsonl")
+    parser.add_argument("--profile", action="store_true", help="print the kernels of each module's step")
+    parser.add_argument("--modules-only", action="store_true")
     args = parser.parse_args()
     print(json.dumps({"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
                       "gpu": torch.cuda.get_device_name()}), flush=True)  # fmt: skip
     with open(args.out, "a") as out:
-        kernel_variants(out)
-        module_variants(out)
+        if not args.modules_only:
+            kernel_variants(out)
+        module_variants(out, profile=args.profile)
 
 
 if __name__ == "__main__":

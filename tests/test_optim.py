@@ -102,12 +102,13 @@ def test_gradient_scale_stays_until_cleared_and_in_backward_refuses_it():
 @pytest.mark.parametrize("capturable", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_kernel_applies_the_clipping_coefficient(dtype, capturable):
-    """The kernel's scaled gradient read against torch's clip + fused AdamW: the same norms, and
-    parameters within fp32 rounding (bf16: the reference rounds the scaled gradient to bf16 first)."""
+    """The kernel's scaled gradient read against torch's clipping pass before the same AdamW: the
+    same norms and parameters in fp32 (the same product, rounded once); in bf16 within its rounding
+    (the clipping pass rounds the scaled gradient to bf16, the kernel does not)."""
     batches = [torch.randn(8, 64, device="cuda", dtype=dtype) for _ in range(4)]
     folded, reference = _mlp("cuda", dtype), _mlp("cuda", dtype)
     fold_norms = _clipped_run(folded, AdamW(folded.parameters(), lr=1e-2, capturable=capturable), batches, fold=True)
-    ref_norms = _clipped_run(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), batches,
+    ref_norms = _clipped_run(reference, AdamW(reference.parameters(), lr=1e-2, capturable=capturable), batches,
                              fold=False)  # fmt: skip
     assert fold_norms == pytest.approx(ref_norms, rel=1e-6 if dtype == torch.float32 else 1e-2)
     for a, b in zip(folded.parameters(), reference.parameters()):

@@ -130,6 +130,18 @@ def flash_kernels_apply(q: torch.Tensor) -> bool:
             and _has_flash_attention(q.device.index))
 
 
+def cudnn_takes_narrower_values(q: torch.Tensor) -> bool:
+    """Whether SDPA's cuDNN kernel runs causal attention with values narrower than the queries
+    (DeepSeek-V3's 192 / 128): cuDNN >= 9.10 on sm90+ (Hopper, Blackwell), where torch prefers it,
+    and half precision. There, zero-padding the values to the query width (which the flash kernels
+    need) costs time: 1160 against 796 us forward + backward at Moonlight-16B-A3B's shapes on an
+    H200 (benchmarks/results/session15)."""
+    if not flash_kernels_apply(q) or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    version = torch.backends.cudnn.version() or 0
+    return version >= 91000 and torch.cuda.get_device_capability(q.device.index) >= (9, 0)
+
+
 @functools.cache
 def _has_flash_attention(device_index: int | None) -> bool:
     """torch's flash kernels need sm80 (Ampere) or newer; older GPUs take the masked SDPA path."""

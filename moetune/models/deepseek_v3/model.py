@@ -18,7 +18,13 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout
 from moetune.kernels import RMSNorm
-from moetune.layers.document_attention import document_causal_attention, flash_kernels_apply, has_cache, pop_documents
+from moetune.layers.document_attention import (
+    cudnn_takes_narrower_values,
+    document_causal_attention,
+    flash_kernels_apply,
+    has_cache,
+    pop_documents,
+)
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.moe import GroupedExperts, GroupLimitedSigmoidRouter, MoEBlock
 
@@ -72,8 +78,18 @@ class DeepseekV3Attention(hf.DeepseekV3Attention):
     mask through SDPA. Where those kernels run (CUDA, half precision), the values are zero-padded
     to the query width and the output sliced back, as Transformers does for flash-attention-2: the
     padded columns contribute nothing, so the result is the same attention. Measured on an H200
-    (Moonlight-16B-A3B, packed rows): the recipe 1.14-1.17x faster; unpacked rows unchanged
-    (benchmarks/results/session14/NOTE.md)."""
+    (Moonlight-16B-A3B, packed rows): the recipe 1.14-1.17x faster (benchmarks/results/session14).
+    Unpacked rows keep the narrow values where SDPA's cuDNN kernel takes them (Hopper and newer):
+    there it runs 1.46x faster than on padded ones (benchmarks/results/session15)."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        # The latent norms as moetune's fused kernel (Transformers' RMSNorm is five elementwise
+        # kernels each way); same parameter name and eps (Transformers' default, not the config's).
+        eps = self.kv_a_layernorm.variance_epsilon
+        self.kv_a_layernorm = RMSNorm(config.kv_lora_rank, eps=eps)
+        if self.q_lora_rank is not None:
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=eps)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         offsets_N, max_length = pop_documents(kwargs)
@@ -96,7 +112,8 @@ class DeepseekV3Attention(hf.DeepseekV3Attention):
         q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, S, self.qk_rope_head_dim), *position_embeddings)
         q_BHSD = torch.cat((q_pass, q_rot), dim=-1)
         k_BHSD = torch.cat((k_pass, k_rot.expand(*k_pass.shape[:-1], -1)), dim=-1)
-        if self.v_head_dim < self.qk_head_dim and flash_kernels_apply(q_BHSD):
+        narrow_values = self.v_head_dim < self.qk_head_dim
+        if narrow_values and flash_kernels_apply(q_BHSD) and not (offsets_N is None and cudnn_takes_narrower_values(q_BHSD)):
             v_BHSD = F.pad(v_BHSD, (0, self.qk_head_dim - self.v_head_dim))
         if offsets_N is None:
             out_BSHD = F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=self.scaling).transpose(1, 2)
