@@ -18,6 +18,8 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout
 from moetune.kernels import RMSNorm
+from moetune.kernels._triton_utils import use_triton
+from moetune.kernels.mla_rope import mla_queries_keys_values
 from moetune.layers.document_attention import (
     cudnn_takes_narrower_values,
     document_causal_attention,
@@ -103,27 +105,42 @@ class DeepseekV3Attention(hf.DeepseekV3Attention):
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q_BHSD = q.view(B, S, -1, self.qk_head_dim).transpose(1, 2)
-        q_pass, q_rot = torch.split(q_BHSD, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv_latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        kv_BHSX = self.kv_b_proj(self.kv_a_layernorm(kv_latent)).view(B, S, -1, self.qk_nope_head_dim + self.v_head_dim)
-        k_pass, v_BHSD = torch.split(kv_BHSX.transpose(1, 2), [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        rope = hf.apply_rotary_pos_emb_interleave if self.config.rope_interleave else hf.apply_rotary_pos_emb
-        q_rot, k_rot = rope(q_rot, k_rot.view(B, 1, S, self.qk_rope_head_dim), *position_embeddings)
-        q_BHSD = torch.cat((q_pass, q_rot), dim=-1)
-        k_BHSD = torch.cat((k_pass, k_rot.expand(*k_pass.shape[:-1], -1)), dim=-1)
-        narrow_values = self.v_head_dim < self.qk_head_dim
-        if narrow_values and flash_kernels_apply(q_BHSD) and not (offsets_N is None and cudnn_takes_narrower_values(q_BHSD)):
-            v_BHSD = F.pad(v_BHSD, (0, self.qk_head_dim - self.v_head_dim))
+        kv_latent, k_rot_BSR = torch.split(self.kv_a_proj_with_mqa(hidden_states),
+                                           [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)  # fmt: skip
+        kv_BSHX = self.kv_b_proj(self.kv_a_layernorm(kv_latent))
+        kv_BSHX = kv_BSHX.view(B, S, -1, self.qk_nope_head_dim + self.v_head_dim)
+        q_BSHD = q.view(B, S, -1, self.qk_head_dim)
+        # Values as narrow as Transformers' where the kernel takes them, else padded to the query width.
+        pad_values = (self.v_head_dim < self.qk_head_dim and flash_kernels_apply(q_BSHD)
+                      and not (offsets_N is None and cudnn_takes_narrower_values(q_BSHD)))  # fmt: skip
+        cos, sin = position_embeddings
+        if use_triton("auto", q_BSHD, kv_BSHX, k_rot_BSR, cos, sin):  # one kernel each way (CUDA)
+            q_BSHD, k_BSHD, v_BSHD = mla_queries_keys_values(q_BSHD, kv_BSHX, k_rot_BSR, cos, sin,
+                                                             interleaved=self.config.rope_interleave,
+                                                             pad_values=pad_values)  # fmt: skip
+        else:  # Transformers' ops
+            q_BSHD, k_BSHD, v_BSHD = self._queries_keys_values(q_BSHD, kv_BSHX, k_rot_BSR, cos, sin)
+            if pad_values:
+                v_BSHD = F.pad(v_BSHD, (0, self.qk_head_dim - self.v_head_dim))
         if offsets_N is None:
-            out_BSHD = F.scaled_dot_product_attention(q_BHSD, k_BHSD, v_BHSD, is_causal=True, scale=self.scaling).transpose(1, 2)
+            out_BSHD = F.scaled_dot_product_attention(q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2),
+                                                      is_causal=True, scale=self.scaling).transpose(1, 2)  # fmt: skip
         else:
-            out_BSHD = document_causal_attention(
-                q_BHSD.transpose(1, 2), k_BHSD.transpose(1, 2), v_BHSD.transpose(1, 2), offsets_N,
-                max_length=max_length or S, scaling=self.scaling,
-            )  # fmt: skip
+            out_BSHD = document_causal_attention(q_BSHD, k_BSHD, v_BSHD, offsets_N, max_length=max_length or S,
+                                                 scaling=self.scaling)  # fmt: skip
         out_BSHD = out_BSHD[..., : self.v_head_dim]
         return self.o_proj(out_BSHD.reshape(B, S, -1)), None
+
+    def _queries_keys_values(self, q_BSHD, kv_BSHX, k_rot_BSR, cos, sin):
+        """Transformers' splits, RoPE and concatenations, op for op ([B, S, H, *] views out)."""
+        B, S = q_BSHD.shape[:2]
+        q_pass, q_rot = torch.split(q_BSHD.transpose(1, 2), [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        k_pass, v_BHSD = torch.split(kv_BSHX.transpose(1, 2), [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        rope = hf.apply_rotary_pos_emb_interleave if self.config.rope_interleave else hf.apply_rotary_pos_emb
+        q_rot, k_rot = rope(q_rot, k_rot_BSR.view(B, 1, S, self.qk_rope_head_dim), cos, sin)
+        q_BHSD = torch.cat((q_pass, q_rot), dim=-1)
+        k_BHSD = torch.cat((k_pass, k_rot.expand(*k_pass.shape[:-1], -1)), dim=-1)
+        return q_BHSD.transpose(1, 2), k_BHSD.transpose(1, 2), v_BHSD.transpose(1, 2)
 
 
 class DeepseekV3DecoderLayer(hf.DeepseekV3DecoderLayer):
