@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from moetune.kernels import moe_permute, swiglu
 from moetune.kernels._triton_utils import Impl
+from moetune.kernels.expert_bias import add_expert_bias
 from moetune.kernels.grouped_gemm import grouped_rows_mm, grouped_weight_grad
 from moetune.kernels.permute import permute_rows, permute_rows_backward
 from moetune.utils.autocast import cuda_autocast_dtype
@@ -213,13 +214,13 @@ def run_experts(
         if in_bias is not None or down_bias is not None:
             rows = torch.arange(h_NX.shape[0], device=x.device, dtype=torch.int32)
             expert_N = torch.searchsorted(offsets_E, rows, right=True)  # E for padding rows
-        h_NX = h_NX if in_bias is None else h_NX + _bias_rows(in_bias, expert_N)
+        h_NX = h_NX if in_bias is None else add_expert_bias(h_NX, in_bias, expert_N, offsets_E)
         a_NI = activate(h_NX, offsets_E[-1:]).to(h_NX.dtype)  # autocast runs some (relu2's pow) in fp32
         if backend == "triton":
             y_NH = GatheredGroupedMM.apply(a_NI, down_proj.transpose(-2, -1), None, offsets_E, 1, "auto", "triton")
         else:
             y_NH = _grouped_mm(a_NI, down_proj.transpose(-2, -1), offs=offsets_E)
-        return y_NH if down_bias is None else y_NH + _bias_rows(down_bias, expert_N)
+        return y_NH if down_bias is None else add_expert_bias(y_NH, down_bias, expert_N, offsets_E)
     if gather_order is not None:
         num_valid = tokens_per_expert_E.sum().reshape(1)
         x = moe_permute(x, gather_order, gather_top_k, num_valid=num_valid)
@@ -243,12 +244,6 @@ def run_experts(
         weights = [t for t in (in_proj, down_proj, in_bias, down_bias) if t is not None]
         outputs.append(zeros + 0 * (sum(t.sum() for t in weights) + padding_NH.sum()))
     return torch.cat(outputs)
-
-
-def _bias_rows(bias_EO: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
-    """Each row's expert bias; padding rows (expert E) read an appended zero row, so the undefined
-    gradient of those rows lands there and not on the last expert's bias."""
-    return F.pad(bias_EO, (0, 0, 0, 1)).index_select(0, expert_N)
 
 
 def _check_gather(x_TH: torch.Tensor, gather_order: torch.Tensor, top_k: int) -> None:

@@ -27,6 +27,7 @@ from moetune.layers.document_attention import (
     has_cache,
     pop_documents,
 )
+from moetune.layers.gated_mlp import gated_mlp
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.moe import GroupedExperts, GroupLimitedSigmoidRouter, MoEBlock
 
@@ -65,7 +66,7 @@ def build_moe_block(config) -> MoEBlock:
             activation=config.hidden_act,
         ),
         num_experts=config.n_routed_experts,
-        shared_experts=hf.DeepseekV3MLP(config, intermediate_size=config.moe_intermediate_size * config.n_shared_experts),
+        shared_experts=gated_mlp(config, hf.DeepseekV3MLP, config.moe_intermediate_size * config.n_shared_experts),
     )
 
 
@@ -148,7 +149,7 @@ class DeepseekV3DecoderLayer(hf.DeepseekV3DecoderLayer):
         GradientCheckpointingLayer.__init__(self)
         self.hidden_size = config.hidden_size
         self.self_attn = DeepseekV3Attention(config=config, layer_idx=layer_idx)
-        self.mlp = build_moe_block(config) if is_sparse_layer(config, layer_idx) else hf.DeepseekV3MLP(config)
+        self.mlp = build_moe_block(config) if is_sparse_layer(config, layer_idx) else gated_mlp(config, hf.DeepseekV3MLP)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 

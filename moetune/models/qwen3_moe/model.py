@@ -13,6 +13,7 @@ from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 from moetune.kernels import RMSNorm, apply_rope
 from moetune.kernels.qk_norm_rope import qk_norm_rope
 from moetune.layers.document_attention import document_causal_attention, pop_documents
+from moetune.layers.gated_mlp import gated_mlp
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.moe import GroupedExperts, MoEBlock, SoftmaxTopKRouter
 
@@ -112,7 +113,7 @@ class Qwen3MoeDecoderLayer(hf.Qwen3MoeDecoderLayer):
         if is_sparse_layer(config, layer_idx):
             self.mlp = build_moe_block(config)
         else:
-            self.mlp = hf.Qwen3MoeMLP(config, intermediate_size=config.intermediate_size)
+            self.mlp = gated_mlp(config, hf.Qwen3MoeMLP)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
