@@ -151,6 +151,28 @@ def test_overlapped_optimizer_checks():
     step.close()  # removes the hooks
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def test_non_finite_gradients_skip_the_update_and_leave_the_norm(device):
+    """With max_grad_norm and moetune's AdamW the optimizer step (a graph replay on CUDA) measures
+    the norm into ``grad_norm`` and, when it is not finite, updates nothing: no host check needed."""
+    model = _model(device, torch.float32 if device == "cpu" else torch.bfloat16)
+    optimizer = AdamW(model.parameters(), lr=1e-3, capturable=device == "cuda")
+    step = CUDAGraphTrainStep(model, optimizer, max_grad_norm=1.0)
+    batches = _batches(5, device)
+    for ids in batches[:4]:  # two eager steps, then the captures and a replay
+        step(input_ids=ids, labels=ids)
+    assert step.captured == (device == "cuda") and bool(torch.isfinite(step.grad_norm))
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))  # every gradient below it becomes NaN
+    before = {name: [p.detach().clone(), *(t.clone() for k, t in optimizer.state[p].items() if k != "step")]
+              for name, p in model.named_parameters()}  # fmt: skip
+    step(input_ids=batches[4], labels=batches[4])
+    assert bool(torch.isnan(step.grad_norm))
+    for name, p in model.named_parameters():
+        now = [p.detach(), *(t for k, t in optimizer.state[p].items() if k != "step")]
+        assert all(torch.equal(a, b) for a, b in zip(now, before[name]) if name != "model.norm.weight"), name
+
+
 def test_rejects_zero_warmup():
     model = _model("cpu", torch.float32)
     with pytest.raises(ValueError, match="warmup_steps must be >= 1"):

@@ -79,6 +79,30 @@ def test_clipping_coefficient_handed_to_the_optimizer_equals_clipping_the_gradie
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_non_finite_norm_skips_the_update():
+    """A NaN or infinite gradient: the norm is not finite, the coefficient NaN, and AdamW leaves
+    parameters and moments as they were (clipping or only measuring)."""
+    from moetune.distributed import clip_grad_norm_
+
+    for max_norm, bad in ((1.0, float("nan")), (float("inf"), float("inf"))):
+        model = _mlp("cpu", torch.float32)
+        optimizer = AdamW(model.parameters(), lr=1e-2)
+        model(torch.randn(4, 64)).sum().backward()
+        clip_grad_norm_(model, max_norm, optimizer=optimizer)
+        optimizer.step()  # one good step: moments exist
+        optimizer.zero_grad(set_to_none=True)
+        before = [t.clone() for p in model.parameters() for t in (p.detach(), *optimizer.state[p].values())]
+        model(torch.randn(4, 64)).sum().backward()
+        model[0].weight.grad[0, 0] = bad
+        norm = clip_grad_norm_(model, max_norm, optimizer=optimizer)
+        optimizer.step()
+        assert not torch.isfinite(norm)
+        after = [t for p in model.parameters() for t in (p.detach(), *optimizer.state[p].values())]
+        for a, b in zip(after, before):
+            if a.dim():  # the step counts advance
+                assert torch.equal(a, b)
+
+
 def test_gradient_scale_stays_until_cleared_and_in_backward_refuses_it():
     from moetune.optim import AdamWInBackward
 

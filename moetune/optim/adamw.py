@@ -44,11 +44,14 @@ if HAS_TRITON:
             bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
             bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
         offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        if SCALE_GRAD:  # a non-finite coefficient (the gradients' norm was not finite): no update
+            grad_scale = tl.load(grad_scale_ptr).to(tl.float32)
+            num_elements = tl.where(tl.abs(grad_scale) < float("inf"), num_elements, 0)
         mask = offsets < num_elements
         param = tl.load(param_ptr + offsets, mask=mask).to(tl.float32)
         grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
         if SCALE_GRAD:  # gradient clipping's coefficient, applied as the gradient is read
-            grad = grad * tl.load(grad_scale_ptr).to(tl.float32)
+            grad = grad * grad_scale
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
         exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
         param = param * (1.0 - lr * weight_decay)
@@ -103,7 +106,11 @@ class AdamW(torch.optim.Optimizer):
         (a 0-d tensor, e.g. a clipping coefficient still on the device, or a number), until
         ``set_gradient_scale(None)``. The kernel applies it as it reads the gradient, which saves
         the clipping's own read and write of every gradient (7.5 of a Qwen3-30B-A3B 8-layer step's
-        ~84 ms on an H200). The value is copied into a buffer this optimizer keeps per device, so a
+        ~84 ms on an H200). A non-finite ``scale`` (NaN: the norm was not finite) leaves parameters
+        and moments as they are (the step count still advances), as a gradient scaler skips a step
+        with infinities: a bad batch
+        cannot reach the weights even where no host checks the norm first (a step replayed from a
+        CUDA graph). The value is copied into a buffer this optimizer keeps per device, so a
         step captured in a CUDA graph reads each new value. Where the update falls back to torch's
         functional AdamW the gradient itself is scaled in place first, as clipping would."""
         if scale is None:
@@ -191,6 +198,8 @@ class AdamW(torch.optim.Optimizer):
                          weight_decay=group["weight_decay"], step=step, grad_scale=grad_scale)  # fmt: skip
         else:  # increments state["step"] itself
             if grad_scale is not None:
+                if not bool(torch.isfinite(grad_scale)):  # as the kernel: no update (a host read, off the fast path)
+                    return
                 _local(param.grad).mul_(grad_scale)
             torch.optim._functional.adamw(
                 [param], [param.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],

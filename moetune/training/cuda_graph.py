@@ -36,7 +36,10 @@ synchronisation in the step. Expert parallelism is captured
 with ``ep_dispatch="allgather"`` and ``dense_parallel="replicate"`` (fixed shapes, collectives
 on the device only; the all-to-all dispatcher needs its split sizes on the host and FSDP2 manages
 parameter memory from the host); gradient clipping then goes through
-``moetune.distributed.clip_grad_norm_``. Learning-rate changes reach the
+``moetune.distributed.clip_grad_norm_``. With ``max_grad_norm`` (``inf``: measure only) the norm is
+measured in the optimizer graph and left in ``grad_norm``; moetune's AdamW takes the clipping
+coefficient in its kernel and skips the update when the norm is not finite, so a replayed step
+needs no host check before its update. Learning-rate changes reach the
 replays when the rate is a device tensor updated in place (torch's schedulers do that; see
 ``set_learning_rate``). Off CUDA the object runs the same steps eagerly.
 
@@ -103,6 +106,9 @@ class CUDAGraphTrainStep:
         self.warmup_steps = warmup_steps
         self.max_grad_norm = max_grad_norm
         self.loss_fn = loss_fn
+        # The gradients' norm measured by the last optimizer step (with max_grad_norm; inf only
+        # measures it): a static tensor the optimizer graph writes, to read after optimizer_step().
+        self.grad_norm = torch.full((), float("nan"), device=_device_of(optimizer))
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self._sharded = any(type(p).__name__ == "DTensor" for p in self.params)
         self.use_graphs = all(p.is_cuda for p in self.params) and torch.cuda.is_available()
@@ -282,11 +288,12 @@ class CUDAGraphTrainStep:
             from moetune.distributed import clip_grad_norm_, scales_gradients
 
             if scales_gradients(self.optimizer):  # the coefficient goes to the optimizer's kernel
-                clip_grad_norm_(self.params, self.max_grad_norm, optimizer=self.optimizer)
+                norm = clip_grad_norm_(self.params, self.max_grad_norm, optimizer=self.optimizer)
             elif self._sharded:  # expert-parallel / FSDP2 DTensors on different meshes: moetune's clipping
-                clip_grad_norm_(self.params, self.max_grad_norm)
+                norm = clip_grad_norm_(self.params, self.max_grad_norm)
             else:  # foreach: no host synchronisation (error_if_nonfinite would add one).
-                torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
+                norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
+            self.grad_norm.copy_(norm)
         self.optimizer.step()
 
     # -- capture --
@@ -364,6 +371,13 @@ def _check_capturable(optimizer: torch.optim.Optimizer) -> None:
             f"CUDA-graph step: the optimizer ({type(optimizer).__name__}) must be capturable: use "
             "moetune.optim.AdamW(..., capturable=True) or torch.optim.AdamW(..., capturable=True)"
         )
+
+
+def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            return param.device
+    return torch.device("cpu")
 
 
 def _check_overlappable(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> None:

@@ -118,6 +118,10 @@ def test_adamw_kernel_scales_the_gradient_as_it_reads_it_in_interpreter(interpre
     for got, want in zip(folded[::2] + folded[3:], prescaled[::2] + prescaled[3:]):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
     assert torch.equal(folded[1], tensors[1])  # the gradient itself is not written
+    for bad in (float("nan"), float("inf")):  # a non-finite norm's coefficient: nothing is written
+        kept = [t.clone() for t in folded]
+        _triton_step(*folded, grad_scale=torch.tensor(bad), **settings)
+        assert all(torch.equal(a, b) for a, b in zip(folded, kept))
 
 
 def test_adamw_kernel_reads_lr_and_step_from_the_device_in_interpreter(interpret):
