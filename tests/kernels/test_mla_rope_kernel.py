@@ -101,3 +101,48 @@ def test_unused_values_get_zero_gradients_in_interpreter(interpret):
     _, grad_kv, _ = torch.autograd.grad(q_out.sum() + k_out.sum(), leaves)
     assert torch.equal(grad_kv[..., 4:], torch.zeros_like(grad_kv[..., 4:]))
     assert torch.equal(grad_kv[..., :4], torch.ones_like(grad_kv[..., :4]))
+
+
+@pytest.mark.parametrize("pad_values", [False, True])
+def test_deepseek_attention_with_the_kernels_equals_transformers_in_interpreter(interpret, monkeypatch, pad_values):
+    """moetune's DeepseekV3Attention taking the kernels' path (as on CUDA; forced here, fp32 on
+    CPU): output and every gradient equal Transformers' attention module, with the values as a
+    view or zero-padded to the query width (the flash kernels' layout). Values narrower than the
+    query heads, a q LoRA, interleaved RoPE."""
+    import transformers
+
+    import moetune.models.deepseek_v3.model as deepseek
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=16, kv_lora_rank=12,
+        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=32, rope_scaling=None,
+    )  # fmt: skip
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    theirs = hf.DeepseekV3Attention(config, layer_idx=0)
+    for param in theirs.parameters():  # away from the ones / zeros init, so the norms matter
+        param.data.normal_(0, 0.3)
+    ours = deepseek.DeepseekV3Attention(config, layer_idx=0)
+    ours.load_state_dict(theirs.state_dict())
+    monkeypatch.setattr(deepseek, "use_triton", lambda *tensors: True)
+    calls = []
+
+    def kernels(*args, **kwargs):
+        calls.append(kwargs["pad_values"])
+        return mla_queries_keys_values(*args, **kwargs, impl="triton")
+
+    monkeypatch.setattr(deepseek, "mla_queries_keys_values", kernels)
+    monkeypatch.setattr(deepseek, "flash_kernels_apply", lambda q: pad_values)
+    monkeypatch.setattr(deepseek, "cudnn_takes_narrower_values", lambda q: False)
+    x = torch.randn(2, 7, 32)
+    position_embeddings = hf.DeepseekV3RotaryEmbedding(config)(x, torch.arange(7)[None].expand(2, -1))
+    grad_out = torch.randn(2, 7, 32)
+    results = []
+    for module in (ours, theirs):
+        leaf = x.clone().requires_grad_()
+        out = module(leaf, position_embeddings, None)[0]
+        params = [leaf, *module.parameters()]
+        results.append([out, *torch.autograd.grad(out, params, grad_out)])
+    assert calls == [pad_values]
+    for a, b in zip(*results):
+        fp32_close(a, b, atol=1e-5, rtol=1e-5)
