@@ -196,3 +196,20 @@ def test_varlen_kernel_under_autocast_with_mixed_input_dtypes():
     assert got.dtype == torch.bfloat16
     expected = _reference(q, k.float(), v.float(), [[30, 34]], 32**-0.5)
     assert rel_err(got.float(), expected) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "capability, cudnn, expected",
+    [((9, 0), 91900, True), ((10, 0), 91000, True), ((9, 0), 90800, False), ((12, 0), 91900, False), ((8, 0), 91900, False)],
+    ids=["hopper", "blackwell-datacenter", "old-cudnn", "blackwell-consumer", "ampere"],
+)
+def test_narrow_values_go_to_cudnn_only_where_torch_prefers_it(monkeypatch, capability, expected, cudnn):
+    """DeepSeek-V3's values stay narrow only where SDPA picks cuDNN's kernel for them; elsewhere
+    they are padded for the flash kernel (SDPA would take the slow memory-efficient one)."""
+    import moetune.layers.document_attention as attention
+
+    monkeypatch.setattr(attention, "flash_kernels_apply", lambda q: True)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    assert attention.cudnn_takes_narrower_values(torch.zeros(1, 2, 4, 192)) is expected

@@ -132,14 +132,16 @@ def flash_kernels_apply(q: torch.Tensor) -> bool:
 
 def cudnn_takes_narrower_values(q: torch.Tensor) -> bool:
     """Whether SDPA's cuDNN kernel runs causal attention with values narrower than the queries
-    (DeepSeek-V3's 192 / 128): cuDNN >= 9.10 on sm90+ (Hopper, Blackwell), where torch prefers it,
-    and half precision. There, zero-padding the values to the query width (which the flash kernels
-    need) costs time: 1160 against 796 us forward + backward at Moonlight-16B-A3B's shapes on an
-    H200 (benchmarks/results/session15)."""
+    (DeepSeek-V3's 192 / 128): half precision, cuDNN >= 9.10 (its first with these widths) on
+    sm90 / sm100 (Hopper, datacenter Blackwell), the GPUs on which torch >= 2.9 tries cuDNN's
+    kernel first. There, zero-padding the values to the query width (which the flash kernels need)
+    costs time: 1160 against 796 us forward + backward at Moonlight-16B-A3B's shapes on an H200
+    (benchmarks/results/session15). Elsewhere SDPA would take the memory-efficient kernel for
+    narrow values (7,475 us there), so the values are padded for the flash kernel instead."""
     if not flash_kernels_apply(q) or not torch.backends.cuda.cudnn_sdp_enabled():
         return False
     version = torch.backends.cudnn.version() or 0
-    return version >= 91000 and torch.cuda.get_device_capability(q.device.index) >= (9, 0)
+    return version >= 91000 and torch.cuda.get_device_capability(q.device.index)[0] in (9, 10)
 
 
 @functools.cache
