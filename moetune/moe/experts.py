@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from moetune.kernels import moe_permute, swiglu
 from moetune.kernels._triton_utils import Impl
+from moetune.kernels.clamped_swiglu import clamped_swiglu
 from moetune.kernels.expert_bias import add_expert_bias
 from moetune.kernels.grouped_gemm import grouped_rows_mm, grouped_weight_grad
 from moetune.kernels.permute import permute_rows, permute_rows_backward
@@ -133,7 +134,7 @@ class GroupedExperts(nn.Module):
 
     def _activate(self, h_NX: torch.Tensor, num_valid: torch.Tensor | None = None) -> torch.Tensor:
         if self.activation == "clamped_swiglu":
-            return clamped_swiglu(h_NX, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
+            return clamped_swiglu(h_NX, alpha=self.swiglu_alpha, limit=self.swiglu_limit, num_valid=num_valid)
         if not self.gated:
             return self._act(h_NX)
         return gated_activation(h_NX, self._act, swiglu_kernel=self.activation == "silu", num_valid=num_valid)
@@ -145,14 +146,6 @@ class GroupedExperts(nn.Module):
             f"experts={self.num_experts}, hidden={self.hidden_size}, width={self.intermediate_size}, "
             f"activation={self.activation}, gated={self.gated}{layout}, backend={self.backend}"
         )
-
-
-def clamped_swiglu(h_NX: torch.Tensor, *, alpha: float, limit: float) -> torch.Tensor:
-    """GPT-OSS's gated activation on interleaved [gate0, up0, gate1, up1, ...] columns."""
-    gate, up = h_NX[..., ::2], h_NX[..., 1::2]
-    gate = gate.clamp(max=limit)
-    up = up.clamp(min=-limit, max=limit)
-    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 def gated_activation(

@@ -82,7 +82,8 @@ class _CompileOnly:
 @pytest.fixture
 def compile_only(monkeypatch):
     for name in ("kernels.rms_norm", "kernels.swiglu", "kernels.rope", "kernels.permute", "kernels.qk_norm_rope",
-                 "kernels.router", "kernels.grouped_gemm", "kernels.cross_entropy", "optim.adamw"):  # fmt: skip
+                 "kernels.router", "kernels.grouped_gemm", "kernels.cross_entropy", "optim.adamw", "kernels.mla_rope",
+                 "kernels.expert_bias", "kernels.clamped_swiglu"):  # fmt: skip
         module = importlib.import_module(f"moetune.{name}")
         for attr, obj in list(vars(module).items()):
             if isinstance(obj, JITFunction) and attr.endswith("_kernel"):  # launched kernels, not jit helpers
@@ -197,3 +198,31 @@ def test_cross_entropy_kernels_compile_for_hopper(compile_only, dtype):
     shard = torch.zeros(16, 75_968, dtype=dtype)
     cross_entropy_shard_stats(shard, targets, 75_968, impl="triton")
     cross_entropy_shard_grad_(shard, targets, torch.zeros(16), torch.ones(16), 75_968, impl="triton")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("interleaved, pad_values", [(True, False), (False, True)])
+@pytest.mark.parametrize("heads", [16, 128])  # Moonlight-16B-A3B, DeepSeek-V3 / Kimi-K2 (several head tiles)
+def test_mla_kernels_compile_for_hopper(compile_only, dtype, interleaved, pad_values, heads):
+    from moetune.kernels.mla_rope import mla_queries_keys_values
+
+    seq = 64
+    q = torch.zeros(1, seq, heads, 192, dtype=dtype, requires_grad=True)
+    kv = torch.zeros(1, seq, heads * 256, dtype=dtype).view(1, seq, heads, 256).requires_grad_()
+    k_rot = torch.zeros(1, seq, 576, dtype=dtype)[..., 512:].requires_grad_()
+    cos = sin = torch.zeros(1, seq, 64, dtype=dtype)
+    out = mla_queries_keys_values(q, kv, k_rot, cos, sin, interleaved=interleaved, pad_values=pad_values, impl="triton")
+    _fwd_bwd(out, [q, kv, k_rot])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expert_bias_and_clamped_swiglu_compile_for_hopper(compile_only, dtype):
+    """GPT-OSS-20B's expert shapes: the bias gradient's segment sums and the clamped SwiGLU (with
+    and without a count of valid rows)."""
+    from moetune.kernels.clamped_swiglu import clamped_swiglu
+    from moetune.kernels.expert_bias import segment_sum
+
+    segment_sum(torch.zeros(256, 5760, dtype=dtype), torch.full((32,), 8, dtype=torch.int32), dtype=dtype, impl="triton")
+    h = torch.zeros(256, 5760, dtype=dtype, requires_grad=True)
+    for num_valid in (None, torch.tensor([200])):
+        _fwd_bwd(clamped_swiglu(h, alpha=1.702, limit=7.0, num_valid=num_valid, impl="triton"), [h])
