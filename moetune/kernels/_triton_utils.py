@@ -73,3 +73,27 @@ def num_sms(device: torch.device) -> int:
 def device_of(t: torch.Tensor) -> contextlib.AbstractContextManager:
     """Make ``t``'s GPU current for a launch (Triton launches on the current device and stream)."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., C] -> [R, C] with unit column stride; a view whenever the layout allows it."""
+    t2d = t.reshape(-1, t.shape[-1])
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+def rows_grid(num_rows: int, num_cols: int, *, max_block_n: int = 1024) -> tuple[tuple[int, int], dict]:
+    """Grid and launch sizes of an elementwise row kernel: up to ``max_block_n`` columns per program
+    (short rows: several rows per program). Rows go on grid axis 0 (up to 2**31 - 1); axis 1 is
+    limited to 65535 column blocks."""
+    block_n = min(next_pow2(num_cols), max_block_n)
+    block_m = max(1, max_block_n // block_n)
+    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
+    return grid, {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps_for(block_m * block_n)}
+
+
+def valid_rows_arg(num_valid: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """A kernel's (pointer, HAS_VALID) pair for an optional count of valid rows (a device tensor):
+    a dummy pointer when every row is valid."""
+    if num_valid is None:
+        return like, False
+    return num_valid.reshape(1).to(like.device), True

@@ -22,10 +22,17 @@ from __future__ import annotations
 
 import torch
 
-from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton, warps_for
-
-_MAX_BLOCK_N = 1024
-
+from moetune.kernels._triton_utils import (
+    HAS_TRITON,
+    Impl,
+    device_of,
+    rows_grid,
+    tl,
+    triton,
+    unit_stride_rows,
+    use_triton,
+    valid_rows_arg,
+)
 
 def clamped_swiglu_reference(h: torch.Tensor, *, alpha: float, limit: float) -> torch.Tensor:
     """Transformers' GPT-OSS activation, op for op, on interleaved ``[..., 2I]``."""
@@ -82,35 +89,17 @@ if HAS_TRITON:
         tl.store(dh_row + 1, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    t2d = t.reshape(-1, t.shape[-1])
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
-
-
-def _launch(num_rows: int, num_cols: int) -> tuple[tuple[int, int], dict]:
-    block_n = min(next_pow2(num_cols), _MAX_BLOCK_N)
-    block_m = max(1, _MAX_BLOCK_N // block_n)  # short rows: several per program
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
-    return grid, {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps_for(block_m * block_n)}
-
-
-def _valid_arg(num_valid: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    if num_valid is None:
-        return like, False
-    return num_valid.reshape(1).to(like.device), True
-
-
 class ClampedSwiGLUFunction(torch.autograd.Function):
     """``[..., 2I]`` interleaved -> ``[..., I]``; the backward writes the interleaved gradient."""
 
     @staticmethod
     def forward(ctx, h, alpha: float, limit: float, num_valid: torch.Tensor | None):
-        h2d = _rows(h)
+        h2d = unit_stride_rows(h)
         num_rows, num_cols = h2d.shape[0], h2d.shape[1] // 2
         y = torch.empty(*h.shape[:-1], num_cols, dtype=h.dtype, device=h.device)
         if y.numel():
-            grid, sizes = _launch(num_rows, num_cols)
-            valid_ptr, has_valid = _valid_arg(num_valid, h2d)
+            grid, sizes = rows_grid(num_rows, num_cols)
+            valid_ptr, has_valid = valid_rows_arg(num_valid, h2d)
             with device_of(h2d):
                 _clamped_swiglu_fwd_kernel[grid](
                     h2d, y.view(num_rows, num_cols), valid_ptr, num_rows, num_cols, h2d.stride(0), num_cols,
@@ -123,12 +112,12 @@ class ClampedSwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         h2d, num_valid = ctx.saved_tensors
-        dy2d = _rows(dy)
+        dy2d = unit_stride_rows(dy)
         num_rows, num_cols = dy2d.shape
         dh = torch.empty(num_rows, 2 * num_cols, dtype=h2d.dtype, device=h2d.device)
         if dh.numel():
-            grid, sizes = _launch(num_rows, num_cols)
-            valid_ptr, has_valid = _valid_arg(num_valid, h2d)
+            grid, sizes = rows_grid(num_rows, num_cols)
+            valid_ptr, has_valid = valid_rows_arg(num_valid, h2d)
             with device_of(h2d):
                 _clamped_swiglu_bwd_kernel[grid](
                     dy2d, h2d, dh, valid_ptr, num_rows, num_cols, dy2d.stride(0), h2d.stride(0), dh.stride(0),

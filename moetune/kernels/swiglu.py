@@ -17,7 +17,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton, warps_for
+from moetune.kernels._triton_utils import (
+    HAS_TRITON,
+    Impl,
+    device_of,
+    rows_grid,
+    tl,
+    triton,
+    unit_stride_rows,
+    use_triton,
+    valid_rows_arg,
+)
 
 _MAX_BLOCK_N = 1024
 
@@ -77,40 +87,19 @@ if HAS_TRITON:
         tl.store(du_ptr + rows64 * stride_du + cols[None, :], du.to(du_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """[..., I] -> [R, I] with unit column stride; a view whenever the layout allows it."""
-    t2d = t.reshape(-1, t.shape[-1])
-    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
-
-
-def _grid(num_rows: int, num_cols: int) -> tuple[tuple[int, int], int, int, int]:
-    block_n = min(next_pow2(num_cols), _MAX_BLOCK_N)
-    block_m = max(1, _MAX_BLOCK_N // block_n)  # short rows: several per program
-    # Rows go on grid axis 0 (up to 2**31 - 1); axis 1 is limited to 65535 column blocks.
-    grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
-    return grid, block_m, block_n, warps_for(block_m * block_n)
-
-
-def _valid_arg(num_valid: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The kernels' (pointer, HAS_VALID) pair: a dummy pointer when every row is valid."""
-    if num_valid is None:
-        return like, False
-    return num_valid.reshape(1).to(like.device), True
-
-
 def _fwd_triton(gate: torch.Tensor, up: torch.Tensor, num_valid: torch.Tensor | None = None) -> torch.Tensor:
-    g2d, u2d = _rows(gate), _rows(up)
+    g2d, u2d = unit_stride_rows(gate), unit_stride_rows(up)
     num_rows, num_cols = g2d.shape
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if y.numel() == 0:
         return y
     y2d = y.view(num_rows, num_cols)
-    grid, block_m, block_n, num_warps = _grid(num_rows, num_cols)
-    valid_ptr, has_valid = _valid_arg(num_valid, g2d)
+    grid, sizes = rows_grid(num_rows, num_cols, max_block_n=_MAX_BLOCK_N)
+    valid_ptr, has_valid = valid_rows_arg(num_valid, g2d)
     with device_of(g2d):
         _swiglu_fwd_kernel[grid](
             g2d, u2d, y2d, valid_ptr, num_rows, num_cols, g2d.stride(0), u2d.stride(0), y2d.stride(0),
-            HAS_VALID=has_valid, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            HAS_VALID=has_valid, **sizes,
         )  # fmt: skip
     return y
 
@@ -120,18 +109,18 @@ def _bwd_triton(
     num_valid: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """Write d(gate) into ``dg`` and d(up) into ``du`` (views with unit column stride)."""
-    g2d, u2d, dy2d = _rows(gate), _rows(up), _rows(dy)
+    g2d, u2d, dy2d = unit_stride_rows(gate), unit_stride_rows(up), unit_stride_rows(dy)
     dg2d, du2d = dg.view(-1, dg.shape[-1]), du.view(-1, du.shape[-1])
     num_rows, num_cols = g2d.shape
     if num_rows * num_cols == 0:
         return
-    grid, block_m, block_n, num_warps = _grid(num_rows, num_cols)
-    valid_ptr, has_valid = _valid_arg(num_valid, g2d)
+    grid, sizes = rows_grid(num_rows, num_cols, max_block_n=_MAX_BLOCK_N)
+    valid_ptr, has_valid = valid_rows_arg(num_valid, g2d)
     with device_of(dy2d):
         _swiglu_bwd_kernel[grid](
             dy2d, g2d, u2d, dg2d, du2d, valid_ptr, num_rows, num_cols,
             dy2d.stride(0), g2d.stride(0), u2d.stride(0), dg2d.stride(0), du2d.stride(0),
-            HAS_VALID=has_valid, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            HAS_VALID=has_valid, **sizes,
         )  # fmt: skip
 
 
