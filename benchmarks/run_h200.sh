@@ -23,6 +23,7 @@
 #             (benchmarks/mamba2_probe.py), then 8 layers of the model side by side (real routing)
 #   othermodels  GPT-OSS-20B (6 layers: both sides' eager attention keeps [heads, S, S] scores) and
 #             Moonlight-16B-A3B (DeepSeek-V3's architecture, 8 layers) side by side, real routing
+#   othermodelsgraph  the same with moetune's step replayed from CUDA graphs, updates in the backward
 #
 #   OUT=/some/dir bash benchmarks/run_h200.sh
 #   STAGES="versions gputests graph profile" OUT=/some/dir bash benchmarks/run_h200.sh
@@ -83,6 +84,14 @@ if stage othermodels; then
   echo "== GPT-OSS-20B (6 layers) and Moonlight-16B-A3B (8 layers), side by side"
   bench 200 --config gpt_oss_20b --layers 6 --seq-len 4096 --micro-batch 1 --routing real --moetune-optimizer moetune
   bench 200 --config moonlight_16b_a3b --layers 8 --seq-len 4096 --micro-batch 1 --routing real --moetune-optimizer moetune
+fi
+
+if stage othermodelsgraph; then
+  echo "== GPT-OSS-20B (6 layers) and Moonlight-16B-A3B (8 layers), moetune's step replayed from CUDA graphs"
+  bench 200 --config gpt_oss_20b --layers 6 --seq-len 4096 --micro-batch 1 --routing real --moetune-optimizer moetune \
+    --moetune-cuda-graph --moetune-overlap-optimizer
+  bench 200 --config moonlight_16b_a3b --layers 8 --seq-len 4096 --micro-batch 1 --routing real --moetune-optimizer moetune \
+    --moetune-cuda-graph --moetune-overlap-optimizer
 fi
 
 if stage parity; then
