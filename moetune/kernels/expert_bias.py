@@ -6,7 +6,8 @@ rows into E bias rows: thousands of rows collide on each expert's row, and the a
 On an H200 at GPT-OSS-20B's shapes (16,384 routed rows, 32 experts, 5760 wide) it took 618 us per
 bias (benchmarks/results/session15/profile_gptoss_6l.txt). The rows are sorted by expert, so each
 bias gradient is a plain sum over one contiguous block of rows: ``segment_sum`` reads the gradient
-once, accumulates in fp32, and is deterministic.
+once, accumulates in fp32, and is deterministic. The forward adds each row's bias in one pass
+(no gathered [N, X] bias tensor).
 
 Shape legend: N sorted rows (rows past ``offsets_E[-1]`` are padding), E experts, X width.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, tl, triton, use_triton
+from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, rows_grid, tl, triton, unit_stride_rows, use_triton
 
 _BLOCK_ROWS = 32
 _BLOCK_COLS = 128
@@ -40,6 +41,41 @@ if HAS_TRITON:
             tile = tl.load(x_ptr + rows[:, None] * stride_row + cols[None, :], mask=mask, other=0.0)
             acc += tl.sum(tile.to(tl.float32), axis=0)
         tl.store(out_ptr + expert.to(tl.int64) * num_cols + cols, acc, mask=col_mask)
+
+
+    @triton.jit
+    def _add_bias_rows_kernel(h_ptr, bias_ptr, expert_ptr, out_ptr, num_rows, num_cols, num_experts, stride_h,
+                              stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+        # out = h + bias[expert of the row]; padding rows (expert E) add nothing.
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < num_rows
+        mask = row_mask[:, None] & (cols < num_cols)[None, :]
+        expert = tl.load(expert_ptr + rows, mask=row_mask, other=num_experts).to(tl.int64)
+        rows64 = rows.to(tl.int64)[:, None]
+        h = tl.load(h_ptr + rows64 * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        bias_mask = mask & (expert < num_experts)[:, None]
+        bias = tl.load(bias_ptr + expert[:, None] * num_cols + cols[None, :], mask=bias_mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows64 * stride_out + cols[None, :], (h + bias).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_bias_rows_reference(h_NX: torch.Tensor, bias_EX: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
+    """``h_NX + bias_EX[expert_N]``, zero for padding rows (expert E)."""
+    return h_NX + F.pad(bias_EX, (0, 0, 0, 1)).index_select(0, expert_N)
+
+
+def _add_bias_rows_triton(h_NX: torch.Tensor, bias_EX: torch.Tensor, expert_N: torch.Tensor) -> torch.Tensor:
+    """One pass: each row of ``h_NX`` read once and written once plus its (cached) bias row, instead
+    of a gathered [N, X] bias tensor written and read back."""
+    h_NX = unit_stride_rows(h_NX)
+    bias_EX = bias_EX.contiguous()
+    out = torch.empty(h_NX.shape, dtype=torch.promote_types(h_NX.dtype, bias_EX.dtype), device=h_NX.device)
+    if out.numel():
+        grid, sizes = rows_grid(*h_NX.shape)
+        with device_of(h_NX):
+            _add_bias_rows_kernel[grid](h_NX, bias_EX, expert_N, out, h_NX.shape[0], h_NX.shape[1], bias_EX.shape[0],
+                                        h_NX.stride(0), out.stride(0), **sizes)  # fmt: skip
+    return out
 
 
 def segment_sum_reference(x_NX: torch.Tensor, offsets_E: torch.Tensor, *, dtype: torch.dtype) -> torch.Tensor:
@@ -73,7 +109,9 @@ class ExpertBiasRows(torch.autograd.Function):
     def forward(ctx, h_NX, bias_EX, expert_N, offsets_E, impl):
         ctx.save_for_backward(offsets_E)
         ctx.bias_dtype, ctx.impl = bias_EX.dtype, impl
-        return h_NX + F.pad(bias_EX, (0, 0, 0, 1)).index_select(0, expert_N)
+        if use_triton(impl, h_NX, bias_EX, expert_N):
+            return _add_bias_rows_triton(h_NX, bias_EX, expert_N)
+        return add_bias_rows_reference(h_NX, bias_EX, expert_N)
 
     @staticmethod
     def backward(ctx, grad_NX):

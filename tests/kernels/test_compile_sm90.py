@@ -217,12 +217,15 @@ def test_mla_kernels_compile_for_hopper(compile_only, dtype, interleaved, pad_va
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_expert_bias_and_clamped_swiglu_compile_for_hopper(compile_only, dtype):
-    """GPT-OSS-20B's expert shapes: the bias gradient's segment sums and the clamped SwiGLU (with
-    and without a count of valid rows)."""
+    """GPT-OSS-20B's expert shapes: the bias rows' one-pass add and the gradient's segment sums, and
+    the clamped SwiGLU (with and without a count of valid rows)."""
     from moetune.kernels.clamped_swiglu import clamped_swiglu
-    from moetune.kernels.expert_bias import segment_sum
+    from moetune.kernels.expert_bias import add_expert_bias
 
-    segment_sum(torch.zeros(256, 5760, dtype=dtype), torch.full((32,), 8, dtype=torch.int32), dtype=dtype, impl="triton")
+    offsets = torch.arange(1, 33, dtype=torch.int32) * 8
+    h, bias = torch.zeros(264, 5760, dtype=dtype, requires_grad=True), torch.zeros(32, 5760, dtype=dtype, requires_grad=True)
+    expert = torch.searchsorted(offsets, torch.arange(264, dtype=torch.int32), right=True)  # 8 padding rows
+    _fwd_bwd(add_expert_bias(h, bias, expert, offsets, impl="triton"), [h, bias])
     h = torch.zeros(256, 5760, dtype=dtype, requires_grad=True)
     for num_valid in (None, torch.tensor([200])):
         _fwd_bwd(clamped_swiglu(h, alpha=1.702, limit=7.0, num_valid=num_valid, impl="triton"), [h])
