@@ -119,6 +119,8 @@ def test_gradient_scale_stays_until_cleared_and_in_backward_refuses_it():
     assert bool((param.detach() < 0).all())
     with pytest.raises(ValueError, match="no gradient clipping"):
         AdamWInBackward([torch.nn.Parameter(torch.zeros(2))]).set_gradient_scale(0.5)
+    with pytest.raises(ValueError, match=r"one number .* shape \(2,\)"):
+        optimizer.set_gradient_scale(torch.ones(2))
 
 
 @pytest.mark.gpu

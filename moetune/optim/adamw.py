@@ -118,6 +118,9 @@ class AdamW(torch.optim.Optimizer):
             return
         if not isinstance(scale, torch.Tensor):
             scale = torch.tensor(float(scale), dtype=torch.float32)
+        if scale.numel() != 1:
+            raise ValueError(f"set_gradient_scale takes one number (a 0-d tensor), got a tensor of shape {tuple(scale.shape)}")
+        scale = scale.reshape(())
         buffers = self._grad_scales
         for device in {_local(p).device for group in self.param_groups for p in group["params"]}:
             if device not in buffers:
