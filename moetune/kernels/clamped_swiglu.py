@@ -45,37 +45,43 @@ def clamped_swiglu_reference(h: torch.Tensor, *, alpha: float, limit: float) -> 
 if HAS_TRITON:
 
     @triton.jit
-    def _clamped_swiglu_fwd_kernel(
-        h_ptr, y_ptr, num_valid_ptr, num_rows, num_cols, stride_h, stride_y, alpha, limit,
-        HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
+    def _row_block(num_valid_ptr, num_rows, num_cols, HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr):  # fmt: skip
+        """This program's rows (int64, as a column), columns and mask (rows past ``num_valid`` out)."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         if HAS_VALID:
             num_rows = tl.minimum(num_rows, tl.load(num_valid_ptr).to(tl.int32))
         mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
-        h_row = h_ptr + rows.to(tl.int64)[:, None] * stride_h + 2 * cols[None, :]
-        gate = tl.minimum(tl.load(h_row, mask=mask, other=0.0).to(tl.float32), limit)
-        up = tl.minimum(tl.maximum(tl.load(h_row + 1, mask=mask, other=0.0).to(tl.float32), -limit), limit)
+        return rows.to(tl.int64)[:, None], cols[None, :], mask
+
+    @triton.jit
+    def _gate_up(h_ptr, rows, cols, mask, stride_h):
+        """The interleaved (gate, up) pairs of columns ``cols``, in fp32."""
+        h_row = h_ptr + rows * stride_h + 2 * cols
+        gate = tl.load(h_row, mask=mask, other=0.0).to(tl.float32)
+        return gate, tl.load(h_row + 1, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _clamped_swiglu_fwd_kernel(
+        h_ptr, y_ptr, num_valid_ptr, num_rows, num_cols, stride_h, stride_y, alpha, limit,
+        HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        rows, cols, mask = _row_block(num_valid_ptr, num_rows, num_cols, HAS_VALID, BLOCK_M, BLOCK_N)
+        gate, up = _gate_up(h_ptr, rows, cols, mask, stride_h)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
         y = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
-        y_row = y_ptr + rows.to(tl.int64)[:, None] * stride_y + cols[None, :]
-        tl.store(y_row, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + rows * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _clamped_swiglu_bwd_kernel(
         dy_ptr, h_ptr, dh_ptr, num_valid_ptr, num_rows, num_cols, stride_dy, stride_h, stride_dh, alpha, limit,
         HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        if HAS_VALID:
-            num_rows = tl.minimum(num_rows, tl.load(num_valid_ptr).to(tl.int32))
-        mask = (rows < num_rows)[:, None] & (cols < num_cols)[None, :]
-        rows64 = rows.to(tl.int64)[:, None]
-        dy = tl.load(dy_ptr + rows64 * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        h_row = h_ptr + rows64 * stride_h + 2 * cols[None, :]
-        gate_in = tl.load(h_row, mask=mask, other=0.0).to(tl.float32)
-        up_in = tl.load(h_row + 1, mask=mask, other=0.0).to(tl.float32)
+        rows, cols, mask = _row_block(num_valid_ptr, num_rows, num_cols, HAS_VALID, BLOCK_M, BLOCK_N)
+        dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        gate_in, up_in = _gate_up(h_ptr, rows, cols, mask, stride_h)
         gate = tl.minimum(gate_in, limit)
         up = tl.minimum(tl.maximum(up_in, -limit), limit)
         sig = tl.sigmoid(alpha * gate)
@@ -84,7 +90,7 @@ if HAS_TRITON:
         d_up = dy * glu
         d_gate = tl.where(gate_in <= limit, d_gate, 0.0)  # torch's clamp: the bound passes the gradient
         d_up = tl.where((up_in >= -limit) & (up_in <= limit), d_up, 0.0)
-        dh_row = dh_ptr + rows64 * stride_dh + 2 * cols[None, :]
+        dh_row = dh_ptr + rows * stride_dh + 2 * cols
         tl.store(dh_row, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(dh_row + 1, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
 

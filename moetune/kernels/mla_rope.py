@@ -52,6 +52,16 @@ if HAS_TRITON:
             tl.store(base + HALF + j, b, mask=mask)
 
     @triton.jit
+    def _rope_tables(cos_ptr, sin_ptr, b, s, sc_b, sc_s, j, jm, HALF: tl.constexpr):
+        """The token's cos / sin halves (lo: dims < R/2, hi: the rest) in fp32."""
+        cs = b * sc_b + s * sc_s
+        c_lo = tl.load(cos_ptr + cs + j, mask=jm, other=0.0).to(tl.float32)
+        c_hi = tl.load(cos_ptr + cs + HALF + j, mask=jm, other=0.0).to(tl.float32)
+        s_lo = tl.load(sin_ptr + cs + j, mask=jm, other=0.0).to(tl.float32)
+        s_hi = tl.load(sin_ptr + cs + HALF + j, mask=jm, other=0.0).to(tl.float32)
+        return c_lo, c_hi, s_lo, s_hi
+
+    @triton.jit
     def _mla_fwd_kernel(
         q_ptr, kv_ptr, krot_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, vo_ptr,
         seq_len, num_heads,
@@ -66,11 +76,7 @@ if HAS_TRITON:
         DQ: tl.constexpr = DN + 2 * HALF
         j = tl.arange(0, BLOCK_HALF)
         jm = j < HALF
-        cs = b * sc_b + s * sc_s
-        c_lo = tl.load(cos_ptr + cs + j, mask=jm, other=0.0).to(tl.float32)
-        c_hi = tl.load(cos_ptr + cs + HALF + j, mask=jm, other=0.0).to(tl.float32)
-        s_lo = tl.load(sin_ptr + cs + j, mask=jm, other=0.0).to(tl.float32)
-        s_hi = tl.load(sin_ptr + cs + HALF + j, mask=jm, other=0.0).to(tl.float32)
+        c_lo, c_hi, s_lo, s_hi = _rope_tables(cos_ptr, sin_ptr, b, s, sc_b, sc_s, j, jm, HALF)
         ka, kb = _load_pairs(krot_ptr + b * skr_b + s * skr_s, j, jm, HALF, INTERLEAVED)
         k_lo = (ka * c_lo - kb * s_lo)[None, :]
         k_hi = (kb * c_hi + ka * s_hi)[None, :]
@@ -115,11 +121,8 @@ if HAS_TRITON:
         DX: tl.constexpr = DN + DV
         j = tl.arange(0, BLOCK_HALF)
         jm = j < HALF
-        cs = b * sc_b + s * sc_s
-        c_lo = tl.load(cos_ptr + cs + j, mask=jm, other=0.0).to(tl.float32)[None, :]
-        c_hi = tl.load(cos_ptr + cs + HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
-        s_lo = tl.load(sin_ptr + cs + j, mask=jm, other=0.0).to(tl.float32)[None, :]
-        s_hi = tl.load(sin_ptr + cs + HALF + j, mask=jm, other=0.0).to(tl.float32)[None, :]
+        c_lo, c_hi, s_lo, s_hi = _rope_tables(cos_ptr, sin_ptr, b, s, sc_b, sc_s, j, jm, HALF)
+        c_lo, c_hi, s_lo, s_hi = c_lo[None, :], c_hi[None, :], s_lo[None, :], s_hi[None, :]
         n = tl.arange(0, BLOCK_DN)
         dvi = tl.arange(0, BLOCK_DV)
         h = tl.arange(0, BLOCK_H)

@@ -106,10 +106,10 @@ class CUDAGraphTrainStep:
         self.warmup_steps = warmup_steps
         self.max_grad_norm = max_grad_norm
         self.loss_fn = loss_fn
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
         # The gradients' norm measured by the last optimizer step (with max_grad_norm; inf only
         # measures it): a static tensor the optimizer graph writes, to read after optimizer_step().
-        self.grad_norm = torch.full((), float("nan"), device=_device_of(optimizer))
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.grad_norm = torch.full((), float("nan"), device=self.params[0].device if self.params else "cpu")
         self._sharded = any(type(p).__name__ == "DTensor" for p in self.params)
         self.use_graphs = all(p.is_cuda for p in self.params) and torch.cuda.is_available()
         if self.use_graphs:
@@ -371,13 +371,6 @@ def _check_capturable(optimizer: torch.optim.Optimizer) -> None:
             f"CUDA-graph step: the optimizer ({type(optimizer).__name__}) must be capturable: use "
             "moetune.optim.AdamW(..., capturable=True) or torch.optim.AdamW(..., capturable=True)"
         )
-
-
-def _device_of(optimizer: torch.optim.Optimizer) -> torch.device:
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            return param.device
-    return torch.device("cpu")
 
 
 def _check_overlappable(model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_grad_norm: float | None) -> None:

@@ -124,7 +124,6 @@ def test_deepseek_attention_with_the_kernels_equals_transformers_in_interpreter(
         param.data.normal_(0, 0.3)
     ours = deepseek.DeepseekV3Attention(config, layer_idx=0)
     ours.load_state_dict(theirs.state_dict())
-    monkeypatch.setattr(deepseek, "use_triton", lambda *tensors: True)
     calls = []
 
     def kernels(*args, **kwargs):

@@ -18,7 +18,6 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout
 from moetune.kernels import RMSNorm
-from moetune.kernels._triton_utils import use_triton
 from moetune.kernels.mla_rope import mla_queries_keys_values
 from moetune.layers.document_attention import (
     cudnn_takes_narrower_values,
@@ -82,8 +81,11 @@ class DeepseekV3Attention(hf.DeepseekV3Attention):
     to the query width and the output sliced back, as Transformers does for flash-attention-2: the
     padded columns contribute nothing, so the result is the same attention. Measured on an H200
     (Moonlight-16B-A3B, packed rows): the recipe 1.14-1.17x faster (benchmarks/results/session14).
-    Unpacked rows keep the narrow values where SDPA's cuDNN kernel takes them (Hopper and newer):
-    there it runs 1.46x faster than on padded ones (benchmarks/results/session15)."""
+    Unpacked rows keep the narrow values where SDPA's cuDNN kernel takes them (sm90 / sm100):
+    there it runs 1.46x faster than on padded ones. Queries, keys and values are assembled by
+    ``moetune.kernels.mla_rope`` (one Triton kernel each way on CUDA, the same math in torch ops
+    elsewhere) instead of Transformers' splits, RoPE ops and concatenations
+    (benchmarks/results/session15)."""
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
@@ -115,14 +117,10 @@ class DeepseekV3Attention(hf.DeepseekV3Attention):
         pad_values = (self.v_head_dim < self.qk_head_dim and flash_kernels_apply(q_BSHD)
                       and not (offsets_N is None and cudnn_takes_narrower_values(q_BSHD)))  # fmt: skip
         cos, sin = position_embeddings
-        if use_triton("auto", q_BSHD, kv_BSHX, k_rot_BSR, cos, sin):  # one kernel each way (CUDA)
-            q_BSHD, k_BSHD, v_BSHD = mla_queries_keys_values(q_BSHD, kv_BSHX, k_rot_BSR, cos, sin,
-                                                             interleaved=self.config.rope_interleave,
-                                                             pad_values=pad_values)  # fmt: skip
-        else:  # Transformers' ops
-            q_BSHD, k_BSHD, v_BSHD = self._queries_keys_values(q_BSHD, kv_BSHX, k_rot_BSR, cos, sin)
-            if pad_values:
-                v_BSHD = F.pad(v_BSHD, (0, self.qk_head_dim - self.v_head_dim))
+        # One Triton kernel each way on CUDA; elsewhere the same math in torch ops.
+        q_BSHD, k_BSHD, v_BSHD = mla_queries_keys_values(q_BSHD, kv_BSHX, k_rot_BSR, cos, sin,
+                                                         interleaved=self.config.rope_interleave,
+                                                         pad_values=pad_values)  # fmt: skip
         if offsets_N is None:
             out_BSHD = F.scaled_dot_product_attention(q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2),
                                                       is_causal=True, scale=self.scaling).transpose(1, 2)  # fmt: skip
@@ -131,17 +129,6 @@ class DeepseekV3Attention(hf.DeepseekV3Attention):
                                                  scaling=self.scaling)  # fmt: skip
         out_BSHD = out_BSHD[..., : self.v_head_dim]
         return self.o_proj(out_BSHD.reshape(B, S, -1)), None
-
-    def _queries_keys_values(self, q_BSHD, kv_BSHX, k_rot_BSR, cos, sin):
-        """Transformers' splits, RoPE and concatenations, op for op ([B, S, H, *] views out)."""
-        B, S = q_BSHD.shape[:2]
-        q_pass, q_rot = torch.split(q_BSHD.transpose(1, 2), [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        k_pass, v_BHSD = torch.split(kv_BSHX.transpose(1, 2), [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        rope = hf.apply_rotary_pos_emb_interleave if self.config.rope_interleave else hf.apply_rotary_pos_emb
-        q_rot, k_rot = rope(q_rot, k_rot_BSR.view(B, 1, S, self.qk_rope_head_dim), cos, sin)
-        q_BHSD = torch.cat((q_pass, q_rot), dim=-1)
-        k_BHSD = torch.cat((k_pass, k_rot.expand(*k_pass.shape[:-1], -1)), dim=-1)
-        return q_BHSD.transpose(1, 2), k_BHSD.transpose(1, 2), v_BHSD.transpose(1, 2)
 
 
 class DeepseekV3DecoderLayer(hf.DeepseekV3DecoderLayer):
