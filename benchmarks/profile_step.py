@@ -119,6 +119,10 @@ def _run(model: torch.nn.Module, side: str, args) -> dict:
         if args.cpu_profile:
             print(f"==== {side}: top CPU ops of one step ====")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=70))
+            print(f"==== {side}: aten ops by the GPU time of the kernels they launch (eager sides only) ====")
+            ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
+            for e in sorted(ops, key=lambda e: e.self_device_time_total, reverse=True)[: args.top]:
+                print(f"{e.self_device_time_total / 1e3:9.3f} ms {e.count:5d}  {e.key}  {str(e.input_shapes)[:110]}")
     return result  # the model and optimizer go with this frame (the caller frees them)
 
 

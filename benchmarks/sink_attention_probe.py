@@ -1,17 +1,19 @@
-"""GPT-OSS's full-attention layers: is cuDNN's attention worth taking over from the flash kernel?
+"""GPT-OSS's attention with sinks: moetune's cuDNN and flash paths against SDPA without sinks.
 
-GPT-OSS-20B's profile (benchmarks/results/session15/profile_gptoss_6l_83e5786.txt) has torch's
+GPT-OSS-20B's profile (benchmarks/results/session15/profile_gptoss_6l_83e5786.txt) had torch's
 flash (FA2) backward at ~217 TFLOP/s on its full-attention layers (64 query heads, 8 key / value
-heads of 64, 4096 positions): 1.58 ms a layer. moetune's sink attention
-(``moetune.layers.sink_attention``) needs the kernel's log-sum-exp; cuDNN's SDPA op returns one
-too. This probe times, forward + backward replayed from a CUDA graph:
+heads of 64, 4096 positions): 1.58 ms a layer. The sixteenth session's first run of this probe
+put SDPA's cuDNN kernels at 1,284 us forward + backward against flash's 2,031, and cuDNN's
+log-sum-exp equal to flash's, so ``moetune.layers.sink_attention`` now takes cuDNN for full
+attention where it runs. This probe times, forward + backward replayed from a CUDA graph, in the
+model's layouts:
 
-- ``sink_attention`` as the model runs it (flash, variable-length entry, the sinks applied);
+- ``sink_attention`` as the model runs it (cuDNN where it runs), with the flash path forced, and
+  with the sliding window of 128 (always the flash path);
 - SDPA's flash and cuDNN backends on the same q, k, v (no sinks), causal, GQA;
 
 and prints what ``aten._scaled_dot_product_cudnn_attention`` returns (the log-sum-exp's shape,
-dtype and its agreement with the flash kernel's), so that a cuDNN path for the sinks can be built
-on facts.
+dtype and its agreement with the flash kernel's).
 
     python benchmarks/sink_attention_probe.py [--seq-len 4096] [--out FILE.jsonl]
 """
@@ -27,6 +29,7 @@ from graph_timing import capture  # benchmarks/graph_timing.py (the script's own
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
+import moetune.layers.sink_attention as sink_module
 from moetune.layers.sink_attention import sink_attention
 
 HEADS, KV_HEADS, DIM = 64, 8, 64
@@ -43,26 +46,36 @@ def main() -> None:
     args = parser.parse_args()
     seq = args.seq_len
     torch.manual_seed(0)
-    q = torch.randn(1, HEADS, seq, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(1, KV_HEADS, seq, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(1, KV_HEADS, seq, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    # the model's layouts: projections [B, S, heads, D] viewed as [B, heads, S, D]
+    q = torch.randn(1, seq, HEADS, DIM, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, seq, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    v = torch.randn(1, seq, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     sinks = torch.zeros(HEADS, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad_out = torch.randn(1, seq, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     flops = 4 * seq * seq * HEADS * DIM / 2 * 3.5  # causal; the backward ~2.5x the forward
     rows = [{"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name(),
-             "seq_len": seq, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM}]  # fmt: skip
+             "seq_len": seq, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM,
+             "cudnn_takes_sinks": sink_module.cudnn_takes_sinks(q)}]  # fmt: skip
 
-    def sinks_step():
-        out = sink_attention(q, k, v, sinks, scaling=DIM**-0.5)
+    def sinks_step(window=None):
+        out = sink_attention(q, k, v, sinks, scaling=DIM**-0.5, sliding_window=window)
         return torch.autograd.grad(out, (q, k, v, sinks), grad_out)
 
     def sdpa_step():
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2)
         return torch.autograd.grad(out, (q, k, v), grad_out)
 
-    us = graphed_us(sinks_step)
-    rows.append({"variant": "sink_attention (flash varlen + sinks)", "fwd_bwd_us": round(us, 1),
-                 "tflops": round(flops / us / 1e6, 1)})  # fmt: skip
+    def emit(variant, fn, flop=flops):
+        us = graphed_us(fn)
+        rows.append({"variant": variant, "fwd_bwd_us": round(us, 1), "tflops": round(flop / us / 1e6, 1)})
+
+    emit("sink_attention (default: cuDNN + sinks where it runs)", sinks_step)
+    takes_cudnn = sink_module.cudnn_takes_sinks
+    sink_module.cudnn_takes_sinks = lambda q: False
+    emit("sink_attention (flash varlen + sinks)", sinks_step)
+    sink_module.cudnn_takes_sinks = takes_cudnn
+    emit("sink_attention, sliding window 128 (flash varlen + sinks)", lambda: sinks_step(128),
+         flop=4 * seq * 128 * HEADS * DIM * 3.5)  # fmt: skip
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             with sdpa_kernel([backend]):

@@ -191,16 +191,27 @@ def test_unmasked_batches_take_moetune_sink_attention(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's flash kernels)")
+@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize("window", [128, None])
-def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window, packed):
-    """GPT-OSS-20B's head layout (64 query / 8 key-value heads of 64), bf16: the flash kernels with
-    the sinks folded in against Transformers' eager math in fp32 (output and the gradients of q, k,
-    v and the sinks), no further off than the eager math in bf16; packed: documents of 300, 200 and
-    500 tokens per row, offsets padded with repeats."""
+def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window, packed, kernel, monkeypatch):
+    """GPT-OSS-20B's head layout (64 query / 8 key-value heads of 64), bf16: the flash (or cuDNN)
+    kernels with the sinks folded in against Transformers' eager math in fp32 (output and the
+    gradients of q, k, v and the sinks), no further off than the eager math in bf16; packed:
+    documents of 300, 200 and 500 tokens per row, offsets padded with repeats. cuDNN takes the full
+    attention of unpacked rows where it runs (sm90 / sm100); the flash kernels take the rest."""
+    import moetune.layers.sink_attention as sink_module
     from moetune.layers.document_attention import flash_kernels_apply
     from moetune.layers.sink_attention import _allowed_keys, _eager_sink_attention, sink_attention
     from tests.conftest import rel_err
+
+    if kernel == "flash":
+        monkeypatch.setattr(sink_module, "cudnn_takes_sinks", lambda q: False)
+    elif window is not None or packed or not sink_module.cudnn_takes_sinks(torch.zeros(1, 1, 1, 64, device="cuda").bfloat16()):
+        pytest.skip("cuDNN takes the full attention of unpacked rows only, on sm90 / sm100 with cuDNN >= 9.10")
+    cudnn_calls = []
+    real_apply = sink_module._CudnnWithSinks.apply
+    monkeypatch.setattr(sink_module._CudnnWithSinks, "apply", lambda *a: cudnn_calls.append(1) or real_apply(*a))
 
     torch.manual_seed(0)
     q = torch.randn(2, 64, 1000, 64, device="cuda")
@@ -228,6 +239,7 @@ def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window, packed
     flash_bf16 = run(flash, torch.bfloat16)
     for name, got, eager_err, ref in zip(("out", "dq", "dk", "dv", "dsinks"), flash_bf16, eager_bf16, reference):
         assert rel_err(got, ref) <= max(1e-2, 1.5 * rel_err(eager_err, ref)), name
+    assert bool(cudnn_calls) == (kernel == "cudnn")
 
 
 @pytest.mark.gpu
@@ -239,9 +251,9 @@ def test_fp32_weights_under_bf16_autocast_take_the_flash_sink_attention(tmp_path
     import moetune.layers.sink_attention as sink_module
     from tests.conftest import rel_err
 
-    flash_calls = []
-    real_apply = sink_module._FlashWithSinks.apply
-    monkeypatch.setattr(sink_module._FlashWithSinks, "apply", lambda *a: flash_calls.append(1) or real_apply(*a))
+    flash_calls = []  # either kernel: cuDNN takes the full-attention layers on sm90 / sm100
+    for kernel in (sink_module._FlashWithSinks, sink_module._CudnnWithSinks):
+        monkeypatch.setattr(kernel, "apply", lambda *a, real=kernel.apply: flash_calls.append(1) or real(*a))
     ref = reference(hidden_size=64, intermediate_size=32).cuda()
     ours = moetune.AutoModelForCausalLM.from_pretrained(save_with_transformers(ref, tmp_path)).cuda().train()
     ids = torch.randint(0, 96, (2, 40), device="cuda")

@@ -1,14 +1,17 @@
 """Causal attention with attention sinks (GPT-OSS) and an optional sliding window, without
-materialising the [heads, S, S] scores: torch's flash-attention kernels on CUDA, Transformers'
-eager math elsewhere.
+materialising the [heads, S, S] scores: SDPA's cuDNN kernels (full attention of unpacked rows on
+Hopper / datacenter Blackwell) or torch's flash kernels on CUDA, Transformers' eager math elsewhere.
 
 A sink is one more logit per head, ``s_h``, in every row's softmax, with no value: the output is
-the plain attention output O (softmax over the keys only) times ``w = sigmoid(lse - s_h)``, where
-``lse`` is the row's log-sum-exp over the keys, which the flash kernel returns. The backward is the
-flash kernel's own backward called with the incoming gradient scaled by ``w`` and the sink-scaled
-output: for softmax probabilities P, the gradient through O gives dS = P (g.V - g.O) with
-g = w dO, the gradient through ``lse`` adds c P with c = w (1 - w) (dO . O), and
-g.O - c = w^2 (dO . O) = g . (w O). The sink's own gradient is -sum c.
+the kernel's output O (softmax over the keys only) times ``w = exp(lse - lse')``, where ``lse`` is
+the row's log-sum-exp over the keys, which both kernels return, and ``lse'`` the log-sum-exp over
+the keys and the sink. The backward is the kernel's own backward called with ``lse'`` and the sink
+output; ``moetune.kernels.attention_sinks`` has the derivation and the two one-pass kernels.
+
+Why cuDNN where it runs: at GPT-OSS-20B's full-attention shapes (64 query heads, 8 key / value
+heads of 64, 4096 positions) on an H200 its forward + backward took 1,284 us against 2,031 us for
+the flash kernels (benchmarks/sink_attention_probe.py, benchmarks/results/session16). torch's cuDNN
+op has no sliding window and no document offsets: those layers keep the flash kernels.
 
 Letters: B = rows, S = tokens, H = query heads, K = key/value heads, D = head dim, T = B x S.
 """
@@ -18,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from moetune.layers.document_attention import document_causal_mask, flash_kernels_apply
+from moetune.kernels.attention_sinks import sink_grad, sink_scale_
+from moetune.layers.document_attention import cudnn_takes_narrower_values, document_causal_mask, flash_kernels_apply
 from moetune.utils.autocast import cuda_autocast_dtype
 
 
@@ -46,6 +50,8 @@ def sink_attention(
     if dtype is not None:
         q_BHSD, k_BKSD, v_BKSD = q_BHSD.to(dtype), k_BKSD.to(dtype), v_BKSD.to(dtype)
     B, H, S, D = q_BHSD.shape
+    if offsets_N is None and sliding_window is None and cudnn_takes_sinks(q_BHSD):
+        return _CudnnWithSinks.apply(q_BHSD, k_BKSD, v_BKSD, sinks_H, scaling)
     if flash_kernels_apply(q_BHSD):
         to_rows = lambda t: t.transpose(1, 2).reshape(B * S, t.shape[1], D)  # noqa: E731
         if offsets_N is None:
@@ -57,6 +63,14 @@ def sink_attention(
         return out_THD.view(B, S, H, D)
     allowed_BSS = _allowed_keys(B, S, sliding_window=sliding_window, offsets_N=offsets_N, device=q_BHSD.device)
     return _eager_sink_attention(q_BHSD, k_BKSD, v_BKSD, sinks_H, scaling=scaling, allowed_BSS=allowed_BSS)
+
+
+def cudnn_takes_sinks(q_BHSD: torch.Tensor) -> bool:
+    """Whether the full causal attention of unpacked rows goes to SDPA's cuDNN kernels: where torch
+    tries them first for causal attention (half precision, cuDNN >= 9.10, sm90 / sm100, the cuDNN
+    backend enabled; see ``cudnn_takes_narrower_values``), unless deterministic algorithms are asked
+    for (torch's SDPA then skips cuDNN too)."""
+    return cudnn_takes_narrower_values(q_BHSD) and not torch.are_deterministic_algorithms_enabled()
 
 
 def _allowed_keys(B: int, S: int, *, sliding_window: int | None, offsets_N: torch.Tensor | None,
@@ -91,28 +105,59 @@ def _eager_sink_attention(q_BHSD, k_BKSD, v_BKSD, sinks_H, *, scaling, allowed_B
 
 
 class _FlashWithSinks(torch.autograd.Function):
+    """torch's variable-length flash kernels on [T, H, D] rows (packed documents, sliding windows)."""
+
     @staticmethod
     def forward(ctx, q_THD, k_TKD, v_TKD, sinks_H, offsets, seq_len: int, scaling: float, window_left: int):
         out_THD, lse_HT, rng_state, _, _ = torch.ops.aten._flash_attention_forward(
             q_THD, k_TKD, v_TKD, offsets, offsets, seq_len, seq_len, 0.0, True,
             return_debug_mask=False, scale=scaling, window_size_left=window_left, window_size_right=0,
         )  # fmt: skip
-        lse_TH = lse_HT[:, : q_THD.shape[0]].transpose(0, 1).float()
-        keep_TH = torch.sigmoid(lse_TH - sinks_H.float())
-        ctx.save_for_backward(q_THD, k_TKD, v_TKD, out_THD, lse_HT, keep_TH, offsets, rng_state)
-        ctx.seq_len, ctx.scaling, ctx.window_left, ctx.sinks_dtype = seq_len, scaling, window_left, sinks_H.dtype
-        return (out_THD * keep_TH[..., None]).to(q_THD.dtype)
+        out_sink_THD = sink_scale_(out_THD[None], _lse_BHS(lse_HT, q_THD.shape[0]), sinks_H)[0]
+        ctx.save_for_backward(q_THD, k_TKD, v_TKD, out_sink_THD, lse_HT, sinks_H, offsets, rng_state)
+        ctx.seq_len, ctx.scaling, ctx.window_left = seq_len, scaling, window_left
+        return out_sink_THD
 
     @staticmethod
     def backward(ctx, grad_THD):
-        q_THD, k_TKD, v_TKD, out_THD, lse_HT, keep_TH, offsets, rng_state = ctx.saved_tensors
-        grad_dot_out_TH = (grad_THD.float() * out_THD.float()).sum(-1)
-        scaled_grad = (grad_THD * keep_TH[..., None]).to(q_THD.dtype)
-        scaled_out = (out_THD * keep_TH[..., None]).to(q_THD.dtype)
+        q_THD, k_TKD, v_TKD, out_sink_THD, lse_all_HT, sinks_H, offsets, rng_state = ctx.saved_tensors
+        grad_THD = grad_THD.contiguous()
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            scaled_grad, q_THD, k_TKD, v_TKD, scaled_out, lse_HT, offsets, offsets, ctx.seq_len, ctx.seq_len,
+            grad_THD, q_THD, k_TKD, v_TKD, out_sink_THD, lse_all_HT, offsets, offsets, ctx.seq_len, ctx.seq_len,
             0.0, True, rng_state, torch.empty(0, device=q_THD.device),
             scale=ctx.scaling, window_size_left=ctx.window_left, window_size_right=0,
         )  # fmt: skip
-        grad_sinks_H = -(grad_dot_out_TH * keep_TH * (1 - keep_TH)).sum(0)
-        return dq, dk, dv, grad_sinks_H.to(ctx.sinks_dtype), None, None, None, None
+        grad_sinks_H = sink_grad(grad_THD[None], out_sink_THD[None], _lse_BHS(lse_all_HT, q_THD.shape[0]), sinks_H)
+        return dq, dk, dv, grad_sinks_H.to(sinks_H.dtype), None, None, None, None
+
+
+class _CudnnWithSinks(torch.autograd.Function):
+    """SDPA's cuDNN kernels on unpacked [B, H, S, D] rows (views of [B, S, H, D] memory), GQA
+    included; full causal attention only."""
+
+    @staticmethod
+    def forward(ctx, q_BHSD, k_BKSD, v_BKSD, sinks_H, scaling: float):
+        out_BHSD, lse_BHS1, cum_q, cum_k, max_q, max_k, seed, offset, _ = (
+            torch.ops.aten._scaled_dot_product_cudnn_attention(q_BHSD, k_BKSD, v_BKSD, None, True, 0.0, True, False,
+                                                              scale=scaling)  # fmt: skip
+        )
+        out_sink_BSHD = sink_scale_(out_BHSD.transpose(1, 2), lse_BHS1[..., 0], sinks_H)
+        ctx.save_for_backward(q_BHSD, k_BKSD, v_BKSD, out_sink_BSHD, lse_BHS1, sinks_H, cum_q, cum_k, seed, offset)
+        ctx.scaling, ctx.max_q, ctx.max_k = scaling, max_q, max_k
+        return out_sink_BSHD
+
+    @staticmethod
+    def backward(ctx, grad_BSHD):
+        q_BHSD, k_BKSD, v_BKSD, out_sink_BSHD, lse_all_BHS1, sinks_H, cum_q, cum_k, seed, offset = ctx.saved_tensors
+        grad_BSHD = grad_BSHD.contiguous()  # the output's layout, which cuDNN wants for the gradient too
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_BSHD.transpose(1, 2), q_BHSD, k_BKSD, v_BKSD, out_sink_BSHD.transpose(1, 2), lse_all_BHS1, seed, offset,
+            torch.empty(0, device=q_BHSD.device), cum_q, cum_k, ctx.max_q, ctx.max_k, 0.0, True, scale=ctx.scaling,
+        )  # fmt: skip
+        grad_sinks_H = sink_grad(grad_BSHD, out_sink_BSHD, lse_all_BHS1[..., 0], sinks_H)
+        return dq, dk, dv, grad_sinks_H.to(sinks_H.dtype), None
+
+
+def _lse_BHS(lse_HT: torch.Tensor, rows: int) -> torch.Tensor:
+    """The flash kernels' [H, T(+ padding)] log-sum-exp as a [1, H, T] view."""
+    return lse_HT[:, :rows][None]

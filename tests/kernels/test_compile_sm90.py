@@ -83,7 +83,7 @@ class _CompileOnly:
 def compile_only(monkeypatch):
     for name in ("kernels.rms_norm", "kernels.swiglu", "kernels.rope", "kernels.permute", "kernels.qk_norm_rope",
                  "kernels.router", "kernels.grouped_gemm", "kernels.cross_entropy", "optim.adamw", "kernels.mla_rope",
-                 "kernels.expert_bias", "kernels.clamped_swiglu"):  # fmt: skip
+                 "kernels.expert_bias", "kernels.clamped_swiglu", "kernels.attention_sinks"):  # fmt: skip
         module = importlib.import_module(f"moetune.{name}")
         for attr, obj in list(vars(module).items()):
             if isinstance(obj, JITFunction) and attr.endswith("_kernel"):  # launched kernels, not jit helpers
@@ -229,3 +229,14 @@ def test_expert_bias_and_clamped_swiglu_compile_for_hopper(compile_only, dtype):
     h = torch.zeros(256, 5760, dtype=dtype, requires_grad=True)
     for num_valid in (None, torch.tensor([200])):
         _fwd_bwd(clamped_swiglu(h, alpha=1.702, limit=7.0, num_valid=num_valid, impl="triton"), [h])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attention_sink_kernels_compile_for_hopper(compile_only, dtype):
+    """GPT-OSS-20B's heads, in the flash kernels' layouts ([T, H, D], [H, T + padding])."""
+    from moetune.kernels.attention_sinks import sink_grad, sink_scale_
+
+    out = torch.zeros(1, 64, 64, 64, dtype=dtype)
+    lse = torch.zeros(64, 80)[:, :64][None]
+    sinks = torch.zeros(64, dtype=dtype)
+    sink_grad(out, sink_scale_(out, lse, sinks, impl="triton"), lse, sinks, impl="triton")

@@ -9,8 +9,8 @@ own; the sparse block is moetune's. The Hub stores the experts already fused, so
 per-expert layout; its MXFP4 experts are dequantized to the model's dtype while loading (each
 process reads only its experts), as the brief asks for training. Transformers supports only eager / flex / flash-kernel attention for
 GPT-OSS (the sinks), so moetune's default attention here is eager; a training step without a mask
-or cache skips it for ``moetune.layers.sink_attention`` (torch's flash kernels with the sinks folded
-in on CUDA: no [heads, S, S] scores).
+or cache skips it for ``moetune.layers.sink_attention`` (cuDNN's or torch's flash kernels with the
+sinks folded in on CUDA: no [heads, S, S] scores), with RoPE applied to q and k by moetune's kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
 from moetune.checkpoint import CheckpointLayout
+from moetune.kernels import apply_rope
 from moetune.layers.document_attention import has_cache, pop_documents
 from moetune.layers.sink_attention import sink_attention
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
@@ -72,7 +73,8 @@ class GptOssAttention(hf.GptOssAttention):
         q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        q, k = hf.apply_rotary_pos_emb(q, k, *position_embeddings)
+        cos, sin = position_embeddings  # each frequency once, [B, S, D / 2]: the kernel takes cat(freqs, freqs)
+        q, k = apply_rope(q, k, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
         out = sink_attention(q, k, v, self.sinks, scaling=self.scaling, sliding_window=self.sliding_window,
                              offsets_N=offsets_N, max_length=max_length)
         return self.o_proj(out.reshape(*input_shape, -1)), None
