@@ -10,8 +10,10 @@ attention's probabilities, and ``D = dO . (O w)``, so its ``dS = P' (dO V^T - D)
 gradient over the keys and the sink (whose value is zero). The sink's own gradient is
 ``-sum over rows of (1 - w) D``, with ``1 - w = exp(s_h - lse')``.
 
-- ``sink_scale_(out, lse, sinks)``: returns ``O w`` in O's dtype and overwrites ``lse`` with
-  ``lse'`` (the kernel's backward then reads it from the tensor it returned).
+- ``sink_scale(out, lse, sinks, lse_all)``: returns ``O w`` in O's dtype and writes ``lse'`` into
+  ``lse_all`` (a copy of the kernel's log-sum-exp tensor, which its backward then reads). Not in
+  place: a program's threads hold each head's value several times over, and one thread's store
+  could land before another thread's load of the same element.
 - ``sink_grad(grad, out_sink, lse', sinks)``: the sinks' gradient, in fp32.
 
 Layouts: ``out`` / ``grad`` / ``out_sink`` [B, S, H, D] and ``lse`` [B, H, S], any strides (the
@@ -35,25 +37,25 @@ if HAS_TRITON:
 
     @triton.jit
     def _with_sink(lse_ptr, sinks_ptr, b, s, heads, head_mask, lse_b, lse_h, lse_s):
-        # (pointers to each head's lse of row (b, s), log-sum-exp over the keys and the sink)
-        lse_ptrs = lse_ptr + b * lse_b + heads * lse_h + s * lse_s
-        lse = tl.load(lse_ptrs, mask=head_mask, other=0.0).to(tl.float32)
+        # (each head's lse of row (b, s), the log-sum-exp over the keys and the sink)
+        lse = tl.load(lse_ptr + b * lse_b + heads * lse_h + s * lse_s, mask=head_mask, other=0.0).to(tl.float32)
         sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0).to(tl.float32)
         top = tl.maximum(lse, sink)
-        return lse_ptrs, lse, top + tl.log(tl.exp(lse - top) + tl.exp(sink - top))
+        return lse, top + tl.log(tl.exp(lse - top) + tl.exp(sink - top))
 
     @triton.jit
-    def _sink_scale_kernel(out_ptr, lse_ptr, sinks_ptr, res_ptr, S, H, D, out_b, out_s, out_h, lse_b, lse_h, lse_s,
-                           res_b, res_s, res_h, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-        # One program per (row, block of heads): res = out * exp(lse - lse'), lse <- lse'.
+    def _sink_scale_kernel(out_ptr, lse_ptr, sinks_ptr, res_ptr, lse_all_ptr, S, H, D, out_b, out_s, out_h, lse_b,
+                           lse_h, lse_s, res_b, res_s, res_h, all_b, all_h, all_s, BLOCK_H: tl.constexpr,
+                           BLOCK_D: tl.constexpr):  # fmt: skip
+        # One program per (row, block of heads): res = out * exp(lse - lse'), lse_all = lse'.
         row = tl.program_id(0).to(tl.int64)
         b, s = row // S, row % S
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         head_mask = heads < H
         dims = tl.arange(0, BLOCK_D)
-        lse_ptrs, lse, lse_all = _with_sink(lse_ptr, sinks_ptr, b, s, heads, head_mask, lse_b, lse_h, lse_s)
+        lse, lse_all = _with_sink(lse_ptr, sinks_ptr, b, s, heads, head_mask, lse_b, lse_h, lse_s)
         keep = tl.exp(lse - lse_all)
-        tl.store(lse_ptrs, lse_all, mask=head_mask)
+        tl.store(lse_all_ptr + b * all_b + heads * all_h + s * all_s, lse_all, mask=head_mask)
         mask = head_mask[:, None] & (dims < D)[None, :]
         out = tl.load(out_ptr + b * out_b + s * out_s + heads[:, None] * out_h + dims[None, :], mask=mask, other=0.0)
         res = (out.to(tl.float32) * keep[:, None]).to(res_ptr.dtype.element_ty)
@@ -84,14 +86,15 @@ if HAS_TRITON:
         tl.store(partial_ptr + block * H + heads, acc, mask=head_mask)
 
 
-def sink_scale_reference_(out_BSHD: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Tensor) -> torch.Tensor:
-    """``out * exp(lse - lse')`` in ``out``'s dtype; ``lse`` becomes ``lse' = logaddexp(lse, sinks)``.
+def sink_scale_reference(out_BSHD: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Tensor,
+                         lse_all_BHS: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``out * exp(lse - lse')`` in ``out``'s dtype; ``lse' = logaddexp(lse, sinks)`` into ``lse_all``.
     fp32 math (float64 for float64 inputs)."""
     compute = torch.promote_types(out_BSHD.dtype, torch.float32)
     lse = lse_BHS.to(compute)
     lse_all = torch.logaddexp(lse, sinks_H.to(compute)[None, :, None])
     keep_BSH = torch.exp(lse - lse_all).transpose(1, 2)
-    lse_BHS.copy_(lse_all)
+    lse_all_BHS.copy_(lse_all)
     return (out_BSHD.to(compute) * keep_BSH[..., None]).to(out_BSHD.dtype)
 
 
@@ -118,20 +121,24 @@ def _check(out_BSHD: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Tensor)
         raise ValueError("attention sinks: the head dim of out must be contiguous")
 
 
-def sink_scale_(out_BSHD: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
-    """The sink attention's output [B, S, H, D] (contiguous, ``out``'s dtype); ``lse_BHS`` (fp32)
-    is overwritten in place with the log-sum-exp over the keys and the sink."""
+def sink_scale(out_BSHD: torch.Tensor, lse_BHS: torch.Tensor, sinks_H: torch.Tensor, lse_all_BHS: torch.Tensor, *,
+               impl: Impl = "auto") -> torch.Tensor:  # fmt: skip
+    """The sink attention's output [B, S, H, D] (contiguous, ``out``'s dtype); the log-sum-exp
+    over the keys and the sink goes into ``lse_all_BHS`` (fp32, ``lse_BHS``'s shape)."""
     _check(out_BSHD, lse_BHS, sinks_H)
+    if lse_all_BHS.shape != lse_BHS.shape:
+        raise ValueError(f"attention sinks: lse_all {tuple(lse_all_BHS.shape)} must have lse's shape {tuple(lse_BHS.shape)}")
     if not use_triton(impl, out_BSHD, lse_BHS, sinks_H):
-        return sink_scale_reference_(out_BSHD, lse_BHS, sinks_H)
+        return sink_scale_reference(out_BSHD, lse_BHS, sinks_H, lse_all_BHS)
     B, S, H, D = out_BSHD.shape
     res = torch.empty(B, S, H, D, dtype=out_BSHD.dtype, device=out_BSHD.device)
     if res.numel():
         block_h, block_d = _head_blocks(H, D)
         with device_of(out_BSHD):
             _sink_scale_kernel[(B * S, triton.cdiv(H, block_h))](
-                out_BSHD, lse_BHS, sinks_H, res, S, H, D, *out_BSHD.stride()[:3], *lse_BHS.stride(), *res.stride()[:3],
-                BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps_for(block_h * block_d),
+                out_BSHD, lse_BHS, sinks_H, res, lse_all_BHS, S, H, D, *out_BSHD.stride()[:3], *lse_BHS.stride(),
+                *res.stride()[:3], *lse_all_BHS.stride(), BLOCK_H=block_h, BLOCK_D=block_d,
+                num_warps=warps_for(block_h * block_d),
             )  # fmt: skip
     return res
 

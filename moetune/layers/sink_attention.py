@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from moetune.kernels.attention_sinks import sink_grad, sink_scale_
+from moetune.kernels.attention_sinks import sink_grad, sink_scale
 from moetune.layers.document_attention import cudnn_takes_narrower_values, document_causal_mask, flash_kernels_apply
 from moetune.utils.autocast import cuda_autocast_dtype
 
@@ -113,8 +113,9 @@ class _FlashWithSinks(torch.autograd.Function):
             q_THD, k_TKD, v_TKD, offsets, offsets, seq_len, seq_len, 0.0, True,
             return_debug_mask=False, scale=scaling, window_size_left=window_left, window_size_right=0,
         )  # fmt: skip
-        out_sink_THD = sink_scale_(out_THD[None], _lse_BHS(lse_HT, q_THD.shape[0]), sinks_H)[0]
-        ctx.save_for_backward(q_THD, k_TKD, v_TKD, out_sink_THD, lse_HT, sinks_H, offsets, rng_state)
+        rows, lse_all_HT = q_THD.shape[0], lse_HT.clone()  # the clone keeps the kernel's padding columns
+        out_sink_THD = sink_scale(out_THD[None], _lse_BHS(lse_HT, rows), sinks_H, _lse_BHS(lse_all_HT, rows))[0]
+        ctx.save_for_backward(q_THD, k_TKD, v_TKD, out_sink_THD, lse_all_HT, sinks_H, offsets, rng_state)
         ctx.seq_len, ctx.scaling, ctx.window_left = seq_len, scaling, window_left
         return out_sink_THD
 
@@ -141,8 +142,9 @@ class _CudnnWithSinks(torch.autograd.Function):
             torch.ops.aten._scaled_dot_product_cudnn_attention(q_BHSD, k_BKSD, v_BKSD, None, True, 0.0, True, False,
                                                               scale=scaling)  # fmt: skip
         )
-        out_sink_BSHD = sink_scale_(out_BHSD.transpose(1, 2), lse_BHS1[..., 0], sinks_H)
-        ctx.save_for_backward(q_BHSD, k_BKSD, v_BKSD, out_sink_BSHD, lse_BHS1, sinks_H, cum_q, cum_k, seed, offset)
+        lse_all_BHS1 = torch.empty_like(lse_BHS1)
+        out_sink_BSHD = sink_scale(out_BHSD.transpose(1, 2), lse_BHS1[..., 0], sinks_H, lse_all_BHS1[..., 0])
+        ctx.save_for_backward(q_BHSD, k_BKSD, v_BKSD, out_sink_BSHD, lse_all_BHS1, sinks_H, cum_q, cum_k, seed, offset)
         ctx.scaling, ctx.max_q, ctx.max_k = scaling, max_q, max_k
         return out_sink_BSHD
 
@@ -152,7 +154,7 @@ class _CudnnWithSinks(torch.autograd.Function):
         grad_BSHD = grad_BSHD.contiguous()  # the output's layout, which cuDNN wants for the gradient too
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             grad_BSHD.transpose(1, 2), q_BHSD, k_BKSD, v_BKSD, out_sink_BSHD.transpose(1, 2), lse_all_BHS1, seed, offset,
-            torch.empty(0, device=q_BHSD.device), cum_q, cum_k, ctx.max_q, ctx.max_k, 0.0, True, scale=ctx.scaling,
+            None, cum_q, cum_k, ctx.max_q, ctx.max_k, 0.0, True, scale=ctx.scaling,
         )  # fmt: skip
         grad_sinks_H = sink_grad(grad_BSHD, out_sink_BSHD, lse_all_BHS1[..., 0], sinks_H)
         return dq, dk, dv, grad_sinks_H.to(sinks_H.dtype), None

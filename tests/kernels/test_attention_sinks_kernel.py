@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernel_test_utils import fp32_close, gpu
-from moetune.kernels.attention_sinks import sink_grad, sink_grad_reference, sink_scale_, sink_scale_reference_
+from moetune.kernels.attention_sinks import sink_grad, sink_grad_reference, sink_scale, sink_scale_reference
 from moetune.layers.sink_attention import _eager_sink_attention
 
 B, S, H, K, D, SCALE = 2, 7, 6, 2, 8, 0.3
@@ -47,9 +47,10 @@ def test_kernel_backward_with_the_sink_log_sum_exp_is_the_sink_attention_gradien
     want_grads = torch.autograd.grad(want, leaves, grad)
 
     out, lse = _plain_attention(q, k, v)
-    out_sink = sink_scale_reference_(out, lse, sinks)  # lse now over the keys and the sink
+    lse_all = torch.empty_like(lse)  # over the keys and the sink
+    out_sink = sink_scale_reference(out, lse, sinks, lse_all)
     torch.testing.assert_close(out_sink, want)
-    got_grads = (*_kernel_backward(grad, q, k, v, out_sink, lse), sink_grad_reference(grad, out_sink, lse, sinks))
+    got_grads = (*_kernel_backward(grad, q, k, v, out_sink, lse_all), sink_grad_reference(grad, out_sink, lse_all, sinks))
     for name, got, expected in zip(("q", "k", "v", "sinks"), got_grads, want_grads):
         torch.testing.assert_close(got, expected, msg=name)
 
@@ -72,13 +73,13 @@ def _check_kernels(*, rows, heads, dim, flash, dtype=torch.float32, device="cpu"
     torch.manual_seed(0)
     out, lse = _kernel_layouts(rows, heads, dim, flash=flash, dtype=dtype, device=device)
     sinks = torch.randn(heads, device=device)
-    ref_lse = lse.clone()
-    want = sink_scale_reference_(out, ref_lse, sinks)
-    got = sink_scale_(out, lse, sinks, impl=impl)
+    lse_all, want_lse_all = torch.full_like(lse, float("nan")), torch.empty_like(lse)
+    want = sink_scale_reference(out, lse, sinks, want_lse_all)
+    got = sink_scale(out, lse, sinks, lse_all, impl=impl)
     close(got.float(), want.float())
-    fp32_close(lse, ref_lse)
+    fp32_close(lse_all, want_lse_all)
     grad = torch.randn(got.shape, device=device).to(dtype)
-    close(sink_grad(grad, got, lse, sinks, impl=impl), sink_grad_reference(grad, got, lse, sinks))
+    close(sink_grad(grad, got, lse_all, sinks, impl=impl), sink_grad_reference(grad, got, lse_all, sinks))
 
 
 @pytest.mark.parametrize("flash", [True, False], ids=["flash", "cudnn"])
@@ -92,7 +93,7 @@ def test_sink_kernels_in_interpreter(interpret, flash):
 def test_sink_kernels_reject_mismatched_shapes():
     out, lse = _kernel_layouts(10, 4, 8, flash=False, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"lse \(B, H, S\)"):
-        sink_scale_(out, lse.transpose(1, 2), torch.zeros(4))
+        sink_scale(out, lse.transpose(1, 2), torch.zeros(4), lse)
     with pytest.raises(ValueError, match="sinks"):
         sink_grad(out, out, lse, torch.zeros(3))
 

@@ -234,9 +234,9 @@ def test_expert_bias_and_clamped_swiglu_compile_for_hopper(compile_only, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_attention_sink_kernels_compile_for_hopper(compile_only, dtype):
     """GPT-OSS-20B's heads, in the flash kernels' layouts ([T, H, D], [H, T + padding])."""
-    from moetune.kernels.attention_sinks import sink_grad, sink_scale_
+    from moetune.kernels.attention_sinks import sink_grad, sink_scale
 
     out = torch.zeros(1, 64, 64, 64, dtype=dtype)
     lse = torch.zeros(64, 80)[:, :64][None]
     sinks = torch.zeros(64, dtype=dtype)
-    sink_grad(out, sink_scale_(out, lse, sinks, impl="triton"), lse, sinks, impl="triton")
+    sink_grad(out, sink_scale(out, lse, sinks, torch.zeros(1, 64, 64), impl="triton"), lse, sinks, impl="triton")
