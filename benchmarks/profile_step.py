@@ -108,7 +108,7 @@ def _run(model: torch.nn.Module, side: str, args) -> dict:
 
         activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if args.cpu_profile else [])
         torch.cuda.synchronize()
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, record_shapes=args.cpu_profile) as prof:
             step()
             optimizer_step()
             torch.cuda.synchronize()

@@ -3,7 +3,9 @@
 Semantics are exactly Transformers' ``Qwen3MoeRMSNorm`` (T5 style):
 ``weight * (x.float() * rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)``,
 so the normalised activations are rounded to ``x.dtype`` before the weight multiplies them and
-the output dtype is ``promote_types(x.dtype, weight.dtype)``.
+the output dtype is ``promote_types(x.dtype, weight.dtype)``; or, with
+``round_before_weight=False``, ``GptOssRMSNorm``'s: ``(weight * x_hat).to(x.dtype)``, the weight
+multiplied in fp32 and one rounding to ``x.dtype`` at the end.
 
 Shape legend: R = rows (every leading dim flattened), C = normalised (last) dim.
 The kernels work on any tensor whose last dim is contiguous: ``[T, H]`` hidden states as well as
@@ -52,11 +54,14 @@ def _bwd_launch_settings(num_cols: int) -> tuple[int, int, int | None]:
     return _BWD_TILE or tile, _BWD_PROGRAMS_PER_SM or per_sm, _BWD_NUM_WARPS or warps
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Plain PyTorch RMSNorm, the Transformers formula (float64 stays float64 for gradcheck)."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+                       round_before_weight: bool = True) -> torch.Tensor:  # fmt: skip
+    """Plain PyTorch RMSNorm, the Transformers formulas (float64 stays float64 for gradcheck)."""
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(compute_dtype)
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if not round_before_weight:
+        return (weight * xf).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
@@ -66,7 +71,7 @@ if HAS_TRITON:
     def _rms_norm_fwd_kernel(
         x_ptr, w_ptr, y_ptr, rstd_ptr,
         num_rows, num_cols, stride_x, stride_y, eps,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        ROUND_X_HAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
@@ -77,8 +82,9 @@ if HAS_TRITON:
 
         x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / num_cols + eps)
-        # Round to x's dtype before the weight multiplies, as Transformers does.
-        x_hat = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        x_hat = x * rstd[:, None]
+        if ROUND_X_HAT:  # to x's dtype before the weight multiplies, as Qwen3's norm does
+            x_hat = x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
         y = w[None, :] * x_hat
         tl.store(y_ptr + rows64[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -88,7 +94,7 @@ if HAS_TRITON:
     def _rms_norm_bwd_kernel(
         dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
         num_rows, num_cols, stride_dy, stride_x, stride_dx, row_step,
-        COMPUTE_DW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        COMPUTE_DW: tl.constexpr, ROUND_X_HAT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         # Persistent grid of P programs: program pid takes row tiles pid, pid + P, ... (row_step =
         # P * BLOCK_M rows) and keeps its share of dweight in fp32 registers; the host sums the P
@@ -114,9 +120,9 @@ if HAS_TRITON:
             dx = (g - x_hat * c[:, None]) * rstd[:, None]
             tl.store(dx_ptr + rows64[:, None] * stride_dx + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
             if COMPUTE_DW:
-                # The forward multiplied the weight by x_hat rounded to x's dtype.
-                x_hat_rounded = x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
-                dw_acc += tl.sum(dy * x_hat_rounded, axis=0)
+                if ROUND_X_HAT:  # the forward multiplied the weight by x_hat rounded to x's dtype
+                    x_hat = x_hat.to(x_ptr.dtype.element_ty).to(tl.float32)
+                dw_acc += tl.sum(dy * x_hat, axis=0)
         if COMPUTE_DW:
             tl.store(dw_partial_ptr + pid * num_cols + cols, dw_acc, mask=col_mask)
 
@@ -148,11 +154,15 @@ def _launch_sizes(num_cols: int, tile: int = _TILE) -> tuple[int, int, int]:
     return block_m, block_n, warps_for(block_m * block_n)
 
 
-def _fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor, round_x_hat: bool) -> torch.dtype:
+    return torch.promote_types(x.dtype, weight.dtype) if round_x_hat else x.dtype
+
+
+def _fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, round_x_hat: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     x2d = _as_rows(x)
     weight = weight.contiguous()
     num_rows, num_cols = x2d.shape
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    y = torch.empty(x.shape, dtype=_out_dtype(x, weight, round_x_hat), device=x.device)
     rstd = torch.empty(num_rows, dtype=torch.float32, device=x.device)
     if num_rows == 0:
         return y, rstd
@@ -162,13 +172,13 @@ def _fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torc
     with device_of(x2d):
         _rms_norm_fwd_kernel[grid](
             x2d, weight, y2d, rstd, num_rows, num_cols, x2d.stride(0), y2d.stride(0), eps,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            ROUND_X_HAT=round_x_hat, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip
     return y, rstd
 
 
 def _bwd_triton(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *, compute_dw: bool
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *, compute_dw: bool, round_x_hat: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     x2d = _as_rows(x)
     dy2d = _as_rows(dy)
@@ -187,7 +197,7 @@ def _bwd_triton(
         _rms_norm_bwd_kernel[(num_programs,)](
             dy2d, x2d, weight, rstd, dx2d, dw_partial,
             num_rows, num_cols, dy2d.stride(0), x2d.stride(0), dx2d.stride(0), num_programs * block_m,
-            COMPUTE_DW=compute_dw, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+            COMPUTE_DW=compute_dw, ROUND_X_HAT=round_x_hat, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
         )  # fmt: skip
     return dx, sum_partials(dw_partial, weight) if compute_dw else None
 
@@ -205,16 +215,17 @@ def sum_partials(partial_PC: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return dw
 
 
-def _fwd_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_torch(x: torch.Tensor, weight: torch.Tensor, eps: float, round_x_hat: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' math in torch ops (lets CPU tests gradcheck the hand-written backward)."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
-    y = weight * (xf * rstd[..., None]).to(x.dtype)
+    x_hat = xf * rstd[..., None]
+    y = weight * x_hat.to(x.dtype) if round_x_hat else (weight * x_hat).to(x.dtype)
     return y, rstd.reshape(-1)
 
 
 def _bwd_torch(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *, compute_dw: bool
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, *, compute_dw: bool, round_x_hat: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     compute_dtype = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(compute_dtype)
@@ -224,8 +235,8 @@ def _bwd_torch(
     dx = (g - x_hat * (g * x_hat).mean(-1, keepdim=True)) * rstd
     dw = None
     if compute_dw:
-        x_hat_rounded = x_hat.to(x.dtype).to(compute_dtype)
-        dw = (dy.to(compute_dtype) * x_hat_rounded).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        x_hat_used = x_hat.to(x.dtype).to(compute_dtype) if round_x_hat else x_hat
+        dw = (dy.to(compute_dtype) * x_hat_used).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
     return dx.to(x.dtype), dw
 
 
@@ -233,23 +244,26 @@ class RMSNormFunction(torch.autograd.Function):
     """Autograd wrapper; saves only ``x`` and the fp32 per-row ``rstd`` for the backward."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, backend: str, round_x_hat: bool = True):
         fwd = _fwd_triton if backend == "triton" else _fwd_torch
-        y, rstd = fwd(x, weight, eps)
+        y, rstd = fwd(x, weight, eps, round_x_hat)
         ctx.save_for_backward(x, weight, rstd)
-        ctx.backend = backend
+        ctx.backend, ctx.round_x_hat = backend, round_x_hat
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
         bwd = _bwd_triton if ctx.backend == "triton" else _bwd_torch
-        dx, dw = bwd(dy, x, weight, rstd, compute_dw=ctx.needs_input_grad[1])
-        return dx, dw, None, None
+        dx, dw = bwd(dy, x, weight, rstd, compute_dw=ctx.needs_input_grad[1], round_x_hat=ctx.round_x_hat)
+        return dx, dw, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, impl: Impl = "auto") -> torch.Tensor:
-    """RMSNorm over the last dim of ``x`` (any leading shape), Transformers' Qwen3 semantics.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, round_before_weight: bool = True,
+             impl: Impl = "auto") -> torch.Tensor:  # fmt: skip
+    """RMSNorm over the last dim of ``x`` (any leading shape): Transformers' Qwen3 semantics, or
+    with ``round_before_weight=False`` its GPT-OSS ones (the weight multiplied in fp32, output in
+    ``x``'s dtype).
 
     ``impl="auto"`` runs the Triton kernels on CUDA tensors when Triton is installed and the
     reference otherwise; ``"torch"`` / ``"triton"`` force one of them.
@@ -258,22 +272,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, impl: 
         raise ValueError(f"weight must have shape ({x.shape[-1]},) to match x's last dim, got {tuple(weight.shape)}")
     if use_triton(impl, x, weight):
         if x.shape[-1] <= MAX_TRITON_COLS:
-            return RMSNormFunction.apply(x, weight, eps, "triton")
+            return RMSNormFunction.apply(x, weight, eps, "triton", round_before_weight)
         if impl == "triton":
             raise ValueError(f"the Triton RMSNorm handles rows up to {MAX_TRITON_COLS}, got {x.shape[-1]}")
-    return rms_norm_reference(x, weight, eps)
+    return rms_norm_reference(x, weight, eps, round_before_weight=round_before_weight)
 
 
 class RMSNorm(nn.Module):
-    """Drop-in for ``Qwen3MoeRMSNorm`` (same parameter name, init and repr) using the fused kernel."""
+    """Drop-in for ``Qwen3MoeRMSNorm`` (same parameter name, init and repr) using the fused kernel;
+    ``round_before_weight=False`` makes it ``GptOssRMSNorm``."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, round_before_weight: bool = True) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps  # Transformers' attribute name, kept for code that reads it
+        self.round_before_weight = round_before_weight
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, round_before_weight=self.round_before_weight)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

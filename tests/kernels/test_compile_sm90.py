@@ -98,10 +98,11 @@ def _fwd_bwd(outputs, inputs):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("shape", [(64, 2048), (2, 16, 32, 128), (4, 8192), (3, 100)])
 @pytest.mark.parametrize("weight_grad", [True, False])
-def test_rms_norm_compiles_for_hopper(compile_only, dtype, shape, weight_grad):
+@pytest.mark.parametrize("round_before_weight", [True, False])
+def test_rms_norm_compiles_for_hopper(compile_only, dtype, shape, weight_grad, round_before_weight):
     x = torch.zeros(shape, dtype=dtype, requires_grad=True)
     w = torch.ones(shape[-1], dtype=dtype, requires_grad=weight_grad)
-    _fwd_bwd(rms_norm(x, w, impl="triton"), (x, w) if weight_grad else (x,))
+    _fwd_bwd(rms_norm(x, w, round_before_weight=round_before_weight, impl="triton"), (x, w) if weight_grad else (x,))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

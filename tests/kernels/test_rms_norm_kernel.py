@@ -43,6 +43,25 @@ def test_auto_on_cpu_is_the_reference_and_matches_transformers():
     assert repr(ours) == "RMSNorm((48,), eps=1e-05)"
 
 
+def test_gpt_oss_semantics_match_transformers_exactly():
+    """``round_before_weight=False``: GptOssRMSNorm's weight multiplied in fp32, one rounding, the
+    output in x's dtype (also with an fp32 weight on bf16 activations), gradients included."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    torch.manual_seed(0)
+    hf = GptOssRMSNorm(48, eps=1e-5)
+    ours = RMSNorm(48, eps=1e-5, round_before_weight=False)
+    with torch.no_grad():
+        hf.weight.copy_(torch.rand(48) + 0.5)
+        ours.load_state_dict(hf.state_dict())
+    for dtype, weight_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)):
+        x = torch.randn(3, 5, 48, dtype=dtype)
+        torch.testing.assert_close(ours.to(weight_dtype)(x), hf.to(weight_dtype)(x), atol=0, rtol=0)
+    x = torch.randn(2, 3, 12, dtype=torch.float64, requires_grad=True)
+    w = (torch.rand(12, dtype=torch.float64) + 0.5).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w: RMSNormFunction.apply(x, w, 1e-6, "torch", False), (x, w))
+
+
 def test_weight_dtype_promotes_like_transformers():
     x = torch.randn(4, 32, dtype=torch.bfloat16)
     assert rms_norm(x, torch.ones(32), impl="torch").dtype == torch.float32
@@ -84,16 +103,16 @@ def test_hand_written_backward_matches_autograd_bf16():
         bf16_close(g, e)
 
 
-def _check_triton_vs_reference(x, w, dy, *, eps=1e-6):
+def _check_triton_vs_reference(x, w, dy, *, eps=1e-6, round_before_weight=True):
     x = x.detach().requires_grad_()
     w = w.detach().requires_grad_()
-    y = rms_norm(x, w, eps, impl="triton")
+    y = rms_norm(x, w, eps, round_before_weight=round_before_weight, impl="triton")
     dx, dw = torch.autograd.grad(y, (x, w), dy)
     xf = x.detach().float().requires_grad_()
     wf = w.detach().float().requires_grad_()
-    y_ref = rms_norm_reference(xf, wf, eps)
+    y_ref = rms_norm_reference(xf, wf, eps, round_before_weight=round_before_weight)
     dx_ref, dw_ref = torch.autograd.grad(y_ref, (xf, wf), dy.float())
-    assert y.dtype == torch.promote_types(x.dtype, w.dtype) and y.shape == x.shape
+    assert y.dtype == (torch.promote_types(x.dtype, w.dtype) if round_before_weight else x.dtype) and y.shape == x.shape
     assert dx.dtype == x.dtype and dw.dtype == w.dtype
     if x.dtype == torch.float32:
         fp32_close(y, y_ref, atol=1e-6, rtol=1e-6)
@@ -113,12 +132,13 @@ def _check_triton_vs_reference(x, w, dy, *, eps=1e-6):
         ((6, 64), torch.bfloat16),
     ],
 )
-def test_triton_kernel_in_interpreter(interpret, shape, dtype):
+@pytest.mark.parametrize("round_before_weight", [True, False], ids=["qwen3", "gpt_oss"])
+def test_triton_kernel_in_interpreter(interpret, shape, dtype, round_before_weight):
     torch.manual_seed(0)
     x = torch.randn(shape, dtype=dtype) * 2
     w = (torch.rand(shape[-1]) + 0.5).to(dtype)
     dy = torch.randn(shape, dtype=dtype)
-    _check_triton_vs_reference(x, w, dy)
+    _check_triton_vs_reference(x, w, dy, round_before_weight=round_before_weight)
 
 
 def test_triton_kernel_in_interpreter_strided_view_and_no_weight_grad(interpret):
@@ -140,14 +160,15 @@ def test_triton_kernel_in_interpreter_strided_view_and_no_weight_grad(interpret)
 @pytest.mark.parametrize(
     "shape, view", [((4096, 2048), None), ((1, 4096, 32, 128), None), ((1, 4096, 32, 128), "transpose"), ((8, 8192), None)]
 )
-def test_triton_matches_reference_on_gpu(dtype, shape, view):
+@pytest.mark.parametrize("round_before_weight", [True, False], ids=["qwen3", "gpt_oss"])
+def test_triton_matches_reference_on_gpu(dtype, shape, view, round_before_weight):
     torch.manual_seed(0)
     x = torch.randn(shape, device="cuda", dtype=dtype) * 2
     if view == "transpose":  # Qwen3's q_norm(...).transpose(1, 2) layout, normed after the transpose
         x = x.transpose(1, 2)
     w = (torch.rand(shape[-1], device="cuda") + 0.5).to(dtype)
     dy = torch.randn(x.shape, device="cuda", dtype=dtype)
-    _check_triton_vs_reference(x, w, dy)
+    _check_triton_vs_reference(x, w, dy, round_before_weight=round_before_weight)
 
 
 @pytest.mark.gpu

@@ -4,8 +4,8 @@ SwiGLU) -> combine.
 
 Subclasses Transformers' classes, so module paths and parameter names (``mlp.router.weight``,
 ``mlp.experts.gate_up_proj``, ``mlp.experts.gate_up_proj_bias``, ...), the attention with sinks and
-alternating sliding windows, its fp32 RMSNorms, ``generate`` and the KV cache are Transformers'
-own; the sparse block is moetune's. The Hub stores the experts already fused, so loading needs no
+alternating sliding windows, ``generate`` and the KV cache are Transformers' own; the sparse
+block and the RMSNorms (Transformers' GPT-OSS semantics in moetune's kernel) are moetune's. The Hub stores the experts already fused, so loading needs no
 per-expert layout; its MXFP4 experts are dequantized to the model's dtype while loading (each
 process reads only its experts), as the brief asks for training. Transformers supports only eager / flex / flash-kernel attention for
 GPT-OSS (the sinks), so moetune's default attention here is eager; a training step without a mask
@@ -20,7 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
 from moetune.checkpoint import CheckpointLayout
-from moetune.kernels import apply_rope
+from moetune.kernels import RMSNorm, apply_rope
 from moetune.layers.document_attention import has_cache, pop_documents
 from moetune.layers.sink_attention import sink_attention
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
@@ -80,16 +80,20 @@ class GptOssAttention(hf.GptOssAttention):
         return self.o_proj(out.reshape(*input_shape, -1)), None
 
 
+def gpt_oss_rms_norm(hidden_size: int, eps: float) -> RMSNorm:
+    """``GptOssRMSNorm``'s semantics (the weight multiplied in fp32, one rounding at the end) in
+    moetune's kernel: one launch each way instead of Transformers' eight elementwise ops."""
+    return RMSNorm(hidden_size, eps=eps, round_before_weight=False)
+
+
 class GptOssDecoderLayer(hf.GptOssDecoderLayer):
     def __init__(self, config, layer_idx: int) -> None:
         GradientCheckpointingLayer.__init__(self)
         self.hidden_size = config.hidden_size
         self.self_attn = GptOssAttention(config=config, layer_idx=layer_idx)
         self.mlp = build_moe_block(config)
-        # GPT-OSS's norm multiplies by the weight before rounding (kept in fp32 in bf16 models):
-        # Transformers' own module, not moetune's Qwen3-semantics kernel.
-        self.input_layernorm = hf.GptOssRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = hf.GptOssRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.input_layernorm = gpt_oss_rms_norm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = gpt_oss_rms_norm(config.hidden_size, eps=config.rms_norm_eps)
 
 
 class GptOssModel(MoetuneBaseModelMixin, hf.GptOssModel):
@@ -101,7 +105,7 @@ class GptOssModel(MoetuneBaseModelMixin, hf.GptOssModel):
             config,
             pretrained_cls=hf.GptOssPreTrainedModel,
             layer_cls=GptOssDecoderLayer,
-            norm_cls=hf.GptOssRMSNorm,
+            norm_cls=gpt_oss_rms_norm,
             rotary_cls=hf.GptOssRotaryEmbedding,
         )
         self.post_init()
