@@ -2,8 +2,8 @@
 layer: the group-limited sigmoid router -> optional latent down-projection -> dispatch -> grouped
 non-gated ReLU² experts -> combine -> latent up-projection, plus the shared expert.
 
-Subclasses Transformers' classes: the attention mixers, the dense MLP blocks, the norms,
-``generate`` and the hybrid cache are Transformers' own; the Mamba-2 mixers keep Transformers'
+Subclasses Transformers' classes: the attention mixers, the dense MLP blocks, ``generate`` and
+the hybrid cache are Transformers' own, the block norms Transformers' semantics in moetune's kernel; the Mamba-2 mixers keep Transformers'
 module and parameters with moetune's training forward (``moetune.layers.mamba2``), and each block
 whose mixer is Transformers' MoE gets moetune's instead (same parameter names: ``mixer.gate.weight``,
 ``mixer.experts.up_proj``, ``mixer.shared_experts.*``, ``mixer.fc1_latent_proj``). The Hub files
@@ -18,6 +18,7 @@ from torch import nn
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
 from moetune.checkpoint import CheckpointLayout, FusedExpertParam
+from moetune.kernels import RMSNorm
 from moetune.layers.document_attention import document_causal_attention, has_cache, pop_documents
 from moetune.layers.mamba2 import causal_conv1d, chunked_scan, document_ids, zero_padding
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
@@ -139,6 +140,7 @@ class NemotronHBlock(hf.NemotronHBlock):
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)
+        self.norm = nemotron_h_rms_norm(config)
         if isinstance(self.mixer, hf.NemotronHMoE):
             self.mixer = build_moe_block(config)
         elif type(self.mixer) is hf.NemotronHMamba2Mixer:
@@ -159,6 +161,12 @@ class NemotronHBlock(hf.NemotronHBlock):
         return super().forward(hidden_states, *args, **kwargs)
 
 
+def nemotron_h_rms_norm(config) -> RMSNorm:
+    """``NemotronHRMSNorm``'s semantics (the weight multiplied in fp32, one rounding at the end) in
+    moetune's kernel: one launch each way instead of Transformers' eight elementwise ops."""
+    return RMSNorm(config.hidden_size, eps=config.layer_norm_epsilon, round_before_weight=False)
+
+
 class NemotronHModel(MoetuneBaseModelMixin, hf.NemotronHModel):
     takes_document_offsets = True
     embedding_name, final_norm_name = "embeddings", "norm_f"
@@ -167,7 +175,7 @@ class NemotronHModel(MoetuneBaseModelMixin, hf.NemotronHModel):
         hf.NemotronHPreTrainedModel.__init__(self, config)
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(NemotronHBlock(config, layer_idx=i) for i in range(config.num_hidden_layers))
-        self.norm_f = hf.NemotronHRMSNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.norm_f = nemotron_h_rms_norm(config)
         self.post_init()
 
 
