@@ -191,9 +191,11 @@ def test_unmasked_batches_take_moetune_sink_attention(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch's flash kernels)")
-@pytest.mark.parametrize("kernel", ["cudnn", "flash"])
-@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
-@pytest.mark.parametrize("window", [128, None])
+@pytest.mark.parametrize(
+    "window, packed, kernel",
+    [(128, False, "flash"), (128, True, "flash"), (None, False, "flash"), (None, True, "flash"), (None, False, "cudnn")],
+    ids=["window-rows", "window-packed", "full-rows-flash", "full-packed", "full-rows-cudnn"],
+)
 def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window, packed, kernel, monkeypatch):
     """GPT-OSS-20B's head layout (64 query / 8 key-value heads of 64), bf16: the flash (or cuDNN)
     kernels with the sinks folded in against Transformers' eager math in fp32 (output and the
@@ -207,8 +209,8 @@ def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window, packed
 
     if kernel == "flash":
         monkeypatch.setattr(sink_module, "cudnn_takes_sinks", lambda q: False)
-    elif window is not None or packed or not sink_module.cudnn_takes_sinks(torch.zeros(1, 1, 1, 64, device="cuda").bfloat16()):
-        pytest.skip("cuDNN takes the full attention of unpacked rows only, on sm90 / sm100 with cuDNN >= 9.10")
+    elif not sink_module.cudnn_takes_sinks(torch.zeros(1, 1, 1, 64, device="cuda").bfloat16()):
+        pytest.skip("cuDNN takes the sinks' full attention on sm90 / sm100 with cuDNN >= 9.10 only")
     cudnn_calls = []
     real_apply = sink_module._CudnnWithSinks.apply
     monkeypatch.setattr(sink_module._CudnnWithSinks, "apply", lambda *a: cudnn_calls.append(1) or real_apply(*a))
