@@ -184,3 +184,28 @@ def test_compiled_scan_equals_the_eager_scan():
     weight = _probe_weight(eager)
     for name, got, expected in zip(t, _grads(compiled, t, weight), _grads(eager, t, weight)):
         assert rel_err(got, expected) < TOL, name
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler (inductor)")
+def test_compiled_convolution_with_its_activation_equals_the_eager_one():
+    """The convolution + SiLU compiled (the default on CUDA) equals the eager ops and Transformers'
+    activation applied after the convolution: values and gradients, with packed documents."""
+    from transformers.activations import ACT2FN
+
+    from moetune.layers.mamba2 import _causal_conv1d, _compiled_conv
+
+    torch.manual_seed(0)
+    leaves = [torch.randn(2, 30, 12), torch.randn(12, 4), torch.randn(12)]
+    seq_idx = document_ids(torch.cat([torch.arange(11), torch.arange(19)]).expand(2, -1))
+    outs, grads = [], []
+    for conv in (_causal_conv1d, _compiled_conv()):
+        inputs = [t.clone().requires_grad_() for t in leaves]
+        out = conv(*inputs, seq_idx_BS=seq_idx, activation="silu")
+        outs.append(out)
+        grads.append(torch.autograd.grad((out * torch.linspace(-1, 1, 12)).sum(), inputs))
+    assert rel_err(outs[1], outs[0]) < TOL
+    for got, expected in zip(*grads):
+        assert rel_err(got, expected) < TOL
+    plain = causal_conv1d(leaves[0], leaves[1], leaves[2], seq_idx_BS=seq_idx)
+    torch.testing.assert_close(outs[0].detach(), ACT2FN["silu"](plain), rtol=0, atol=0)

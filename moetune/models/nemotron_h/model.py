@@ -86,8 +86,9 @@ class NemotronHMamba2Mixer(hf.NemotronHMamba2Mixer):
         batch, seq_len, _ = hidden_states.shape
         projected = self.in_proj(zero_padding(hidden_states, attention_mask))
         gate, xBC, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        conv = causal_conv1d(xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias, seq_idx_BS=seq_idx)
-        xBC = zero_padding(self.act(conv).to(xBC.dtype), attention_mask)
+        conv = causal_conv1d(xBC, self.conv1d.weight.squeeze(1), self.conv1d.bias, seq_idx_BS=seq_idx,
+                             activation=self.activation)  # self.act's ACT2FN name
+        xBC = zero_padding(conv.to(xBC.dtype), attention_mask)
         x, B, C = xBC.split([self.intermediate_size, self.n_groups * self.ssm_state_size,
                              self.n_groups * self.ssm_state_size], dim=-1)
         y = chunked_scan(
