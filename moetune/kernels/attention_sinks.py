@@ -75,7 +75,8 @@ if HAS_TRITON:
         for i in range(ROWS):
             row = block.to(tl.int64) * ROWS + i
             b, s = row // S, row % S
-            row_mask = head_mask & (row < rows)
+            # the row test as a vector: Triton 3.9's interpreter turns bool-vector & bool-scalar into int32
+            row_mask = head_mask & ((heads.to(tl.int64) * 0 + row) < rows)
             mask = row_mask[:, None] & (dims < D)[None, :]
             grad = tl.load(grad_ptr + b * grad_b + s * grad_s + heads[:, None] * grad_h + dims[None, :], mask=mask,
                            other=0.0)  # fmt: skip
