@@ -209,3 +209,24 @@ def test_compiled_convolution_with_its_activation_equals_the_eager_one():
         assert rel_err(got, expected) < TOL
     plain = causal_conv1d(leaves[0], leaves[1], leaves[2], seq_idx_BS=seq_idx)
     torch.testing.assert_close(outs[0].detach(), ACT2FN["silu"](plain), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler (inductor)")
+def test_compiled_gated_norm_equals_transformers_module():
+    """The mixer's gated, grouped RMSNorm compiled (the default on CUDA) computes what Transformers'
+    module does: values and gradients (input, gate, weight)."""
+    from moetune.layers.mamba2 import _compiled_forward
+
+    torch.manual_seed(0)
+    norm = hf.NemotronHRMSNormGated(24, group_size=8, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(24) + 0.5)
+    leaves = [torch.randn(2, 5, 24), torch.randn(2, 5, 24)]
+    results = []
+    for forward in (type(norm).forward, _compiled_forward(type(norm))):
+        inputs = [t.clone().requires_grad_() for t in leaves]
+        out = forward(norm, *inputs)
+        results.append((out, *torch.autograd.grad((out * torch.linspace(-1, 1, 24)).sum(), [*inputs, norm.weight])))
+    for got, expected in zip(results[1], results[0]):
+        assert rel_err(got, expected) < TOL

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -77,6 +78,19 @@ def _causal_conv1d(x_BSD, weight_DK, bias_D, *, seq_idx_BS, activation):
 @functools.cache
 def _compiled_conv():
     return torch.compile(_causal_conv1d, dynamic=False, fullgraph=True)
+
+
+def gated_rms_norm(norm: torch.nn.Module, y_BSX: torch.Tensor, gate_BSX: torch.Tensor) -> torch.Tensor:
+    """The mixer's gated, grouped RMSNorm (Transformers' module, e.g. ``NemotronHRMSNormGated``)
+    applied to the scan's output: its own forward, compiled on CUDA, where its eight fp32 passes
+    over [S, intermediate] otherwise run one by one, forward and backward."""
+    forward = _compiled_forward(type(norm)) if y_BSX.is_cuda and _compile_on_cuda() else type(norm).forward
+    return forward(norm, y_BSX, gate_BSX)
+
+
+@functools.cache
+def _compiled_forward(module_cls: type) -> Callable:
+    return torch.compile(module_cls.forward, dynamic=False, fullgraph=True)
 
 
 def _chunks(t: torch.Tensor, pad: int, chunk: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from transformers.models.nemotron_h import modeling_nemotron_h as hf
 from moetune.checkpoint import CheckpointLayout, FusedExpertParam
 from moetune.kernels import RMSNorm
 from moetune.layers.document_attention import document_causal_attention, has_cache, pop_documents
-from moetune.layers.mamba2 import causal_conv1d, chunked_scan, document_ids, zero_padding
+from moetune.layers.mamba2 import causal_conv1d, chunked_scan, document_ids, gated_rms_norm, zero_padding
 from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
 from moetune.models.deepseek_v3.model import build_router
 from moetune.moe import GroupedExperts, MoEBlock
@@ -103,7 +103,7 @@ class NemotronHMamba2Mixer(hf.NemotronHMamba2Mixer):
             dt_limit=self._dt_limit(),
             seq_idx_BS=seq_idx,
         )
-        y = self.norm(y.reshape(batch, seq_len, -1), gate)
+        y = gated_rms_norm(self.norm, y.reshape(batch, seq_len, -1), gate)
         return self.out_proj(y.to(hidden_states.dtype))
 
 
