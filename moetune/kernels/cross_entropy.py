@@ -110,6 +110,9 @@ if HAS_TRITON:
         target_logit = tl.load(base + safe_target).to(tl.float32)
         tl.store(loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
         scale = tl.where(valid, 1.0, 0.0) / tl.load(normalizer_ptr).to(tl.float32)
+        # Pass 2 overwrites the row in place, the target's logit included: every warp reads that
+        # logit before any warp may write it (warps run pass 2 without meeting otherwise).
+        tl.debug_barrier()
         _overwrite_row_with_grad(base, num_cols, lse, safe_target, scale, BLOCK_V)  # pass 2
 
     @triton.jit

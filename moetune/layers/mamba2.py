@@ -123,8 +123,9 @@ def chunked_scan(
 
 
 def _compile_on_cuda() -> bool:
-    """On CUDA the scan runs compiled (inductor fuses the elementwise passes over the [chunk, chunk]
-    tensors, which dominate it eagerly); ``MOETUNE_MAMBA2_COMPILE=0`` keeps it eager."""
+    """On CUDA the scan, the convolution and the gated norm run compiled (inductor fuses the
+    elementwise passes, over the [chunk, chunk] tensors in the scan, which dominate them eagerly);
+    ``MOETUNE_MAMBA2_COMPILE=0`` keeps them eager."""
     return os.environ.get("MOETUNE_MAMBA2_COMPILE", "1") != "0"
 
 
