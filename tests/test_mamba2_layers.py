@@ -230,3 +230,9 @@ def test_compiled_gated_norm_equals_transformers_module():
         results.append((out, *torch.autograd.grad((out * torch.linspace(-1, 1, 24)).sum(), [*inputs, norm.weight])))
     for got, expected in zip(results[1], results[0]):
         assert rel_err(got, expected) < TOL
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]  # one graph for every layer's norm, not one per module
+    for other in [hf.NemotronHRMSNormGated(24, group_size=8, eps=1e-5) for _ in range(3)]:
+        _compiled_forward(type(other))(other, *(t.clone().requires_grad_() for t in leaves))
+    assert counters["stats"]["unique_graphs"] == graphs
