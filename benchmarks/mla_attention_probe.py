@@ -97,9 +97,9 @@ def module_variants(out, *, profile: bool) -> None:
     # moetune_padded: the values padded to 192 as for the flash kernels (what it ran before)
     for name, module in (("transformers", reference), ("moetune", moetune_attention), ("moetune_padded", moetune_attention)):
         row = {"part": "module", "variant": name}
-        original = ours.cudnn_takes_narrower_values
+        original = ours.cudnn_attention_applies
         if name == "moetune_padded":
-            ours.cudnn_takes_narrower_values = lambda q: False
+            ours.cudnn_attention_applies = lambda q: False
         try:
             got = [g.float() for g in step(module)()]
             row["fwd_bwd_us"] = round(graphed_us(step(module)), 1)
@@ -110,7 +110,7 @@ def module_variants(out, *, profile: bool) -> None:
         except RuntimeError as error:
             row["error"] = str(error).splitlines()[0][:200]
         finally:
-            ours.cudnn_takes_narrower_values = original
+            ours.cudnn_attention_applies = original
         print(json.dumps(row), flush=True)
         out.write(json.dumps(row) + "\n")
 

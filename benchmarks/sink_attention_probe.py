@@ -55,7 +55,7 @@ def main() -> None:
     flops = 4 * seq * seq * HEADS * DIM / 2 * 3.5  # causal; the backward ~2.5x the forward
     rows = [{"torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name(),
              "seq_len": seq, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM,
-             "cudnn_takes_sinks": sink_module.cudnn_takes_sinks(q)}]  # fmt: skip
+             "cudnn_attention_applies": sink_module.cudnn_attention_applies(q)}]  # fmt: skip
 
     def sinks_step(window=None):
         out = sink_attention(q, k, v, sinks, scaling=DIM**-0.5, sliding_window=window)
@@ -70,10 +70,10 @@ def main() -> None:
         rows.append({"variant": variant, "fwd_bwd_us": round(us, 1), "tflops": round(flop / us / 1e6, 1)})
 
     emit("sink_attention (default: cuDNN + sinks where it runs)", sinks_step)
-    takes_cudnn = sink_module.cudnn_takes_sinks
-    sink_module.cudnn_takes_sinks = lambda q: False
+    takes_cudnn = sink_module.cudnn_attention_applies
+    sink_module.cudnn_attention_applies = lambda q: False
     emit("sink_attention (flash varlen + sinks)", sinks_step)
-    sink_module.cudnn_takes_sinks = takes_cudnn
+    sink_module.cudnn_attention_applies = takes_cudnn
     emit("sink_attention, sliding window 128 (flash varlen + sinks)", lambda: sinks_step(128),
          flop=4 * seq * 128 * HEADS * DIM * 3.5)  # fmt: skip
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):

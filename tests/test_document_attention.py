@@ -212,4 +212,6 @@ def test_narrow_values_go_to_cudnn_only_where_torch_prefers_it(monkeypatch, capa
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
-    assert attention.cudnn_takes_narrower_values(torch.zeros(1, 2, 4, 192)) is expected
+    assert attention.cudnn_attention_applies(torch.zeros(1, 2, 4, 192)) is expected
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)  # SDPA then skips cuDNN
+    assert attention.cudnn_attention_applies(torch.zeros(1, 2, 4, 192)) is False

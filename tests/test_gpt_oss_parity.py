@@ -208,8 +208,8 @@ def test_flash_sink_attention_on_gpu_is_as_close_to_fp32_as_eager(window, packed
     from tests.conftest import rel_err
 
     if kernel == "flash":
-        monkeypatch.setattr(sink_module, "cudnn_takes_sinks", lambda q: False)
-    elif not sink_module.cudnn_takes_sinks(torch.zeros(1, 1, 1, 64, device="cuda").bfloat16()):
+        monkeypatch.setattr(sink_module, "cudnn_attention_applies", lambda q: False)
+    elif not sink_module.cudnn_attention_applies(torch.zeros(1, 1, 1, 64, device="cuda").bfloat16()):
         pytest.skip("cuDNN takes the sinks' full attention on sm90 / sm100 with cuDNN >= 9.10 only")
     cudnn_calls = []
     real_apply = sink_module._CudnnWithSinks.apply

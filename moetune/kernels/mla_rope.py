@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton
+from moetune.kernels.rope import _unit_last
 
 _TILE = 4096  # elements per [heads, dims] tile held in registers
 
@@ -160,10 +161,6 @@ def _launch_sizes(num_heads: int, nope: int, half: int, value: int) -> dict:
     widest = next_pow2(max(nope, value, 2 * half + nope))
     return {"BLOCK_H": max(1, min(next_pow2(num_heads), _TILE // widest)), "BLOCK_DN": next_pow2(nope),
             "BLOCK_HALF": next_pow2(half)}  # fmt: skip
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _rows(cos: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:

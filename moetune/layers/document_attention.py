@@ -130,15 +130,20 @@ def flash_kernels_apply(q: torch.Tensor) -> bool:
             and _has_flash_attention(q.device.index))
 
 
-def cudnn_takes_narrower_values(q: torch.Tensor) -> bool:
-    """Whether SDPA's cuDNN kernel runs causal attention with values narrower than the queries
-    (DeepSeek-V3's 192 / 128): half precision, cuDNN >= 9.10 (its first with these widths) on
-    sm90 / sm100 (Hopper, datacenter Blackwell), the GPUs on which torch >= 2.9 tries cuDNN's
-    kernel first. There, zero-padding the values to the query width (which the flash kernels need)
-    costs time: 1160 against 796 us forward + backward at Moonlight-16B-A3B's shapes on an H200
-    (benchmarks/results/session15). Elsewhere SDPA would take the memory-efficient kernel for
-    narrow values (7,475 us there), so the values are padded for the flash kernel instead."""
+def cudnn_attention_applies(q: torch.Tensor) -> bool:
+    """Whether SDPA's cuDNN kernels run causal attention of queries ``q`` where torch >= 2.9 tries
+    them first: half precision, cuDNN >= 9.10 (its first with values narrower than the queries) on
+    sm90 / sm100 (Hopper, datacenter Blackwell), the cuDNN backend enabled and no deterministic
+    algorithms asked for (SDPA then skips cuDNN, whose backward is not deterministic).
+
+    Its two users: DeepSeek-V3's values (128 wide against 192-wide queries) stay unpadded there,
+    where padding them for the flash kernels costs 1160 against 796 us forward + backward at
+    Moonlight-16B-A3B's shapes on an H200 (benchmarks/results/session15; elsewhere SDPA would take
+    the memory-efficient kernel for narrow values, 7,475 us); and GPT-OSS's sink attention takes
+    cuDNN's kernels directly for its full-attention layers (``moetune.layers.sink_attention``)."""
     if not flash_kernels_apply(q) or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    if torch.are_deterministic_algorithms_enabled():
         return False
     version = torch.backends.cudnn.version() or 0
     return version >= 91000 and torch.cuda.get_device_capability(q.device.index)[0] in (9, 10)

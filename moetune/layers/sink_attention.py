@@ -22,7 +22,7 @@ import torch
 from torch.nn import functional as F
 
 from moetune.kernels.attention_sinks import sink_grad, sink_scale
-from moetune.layers.document_attention import cudnn_takes_narrower_values, document_causal_mask, flash_kernels_apply
+from moetune.layers.document_attention import cudnn_attention_applies, document_causal_mask, flash_kernels_apply
 from moetune.utils.autocast import cuda_autocast_dtype
 
 
@@ -50,7 +50,7 @@ def sink_attention(
     if dtype is not None:
         q_BHSD, k_BKSD, v_BKSD = q_BHSD.to(dtype), k_BKSD.to(dtype), v_BKSD.to(dtype)
     B, H, S, D = q_BHSD.shape
-    if offsets_N is None and sliding_window is None and cudnn_takes_sinks(q_BHSD):
+    if offsets_N is None and sliding_window is None and cudnn_attention_applies(q_BHSD):
         return _CudnnWithSinks.apply(q_BHSD, k_BKSD, v_BKSD, sinks_H, scaling)
     if flash_kernels_apply(q_BHSD):
         to_rows = lambda t: t.transpose(1, 2).reshape(B * S, t.shape[1], D)  # noqa: E731
@@ -63,14 +63,6 @@ def sink_attention(
         return out_THD.view(B, S, H, D)
     allowed_BSS = _allowed_keys(B, S, sliding_window=sliding_window, offsets_N=offsets_N, device=q_BHSD.device)
     return _eager_sink_attention(q_BHSD, k_BKSD, v_BKSD, sinks_H, scaling=scaling, allowed_BSS=allowed_BSS)
-
-
-def cudnn_takes_sinks(q_BHSD: torch.Tensor) -> bool:
-    """Whether the full causal attention of unpacked rows goes to SDPA's cuDNN kernels: where torch
-    tries them first for causal attention (half precision, cuDNN >= 9.10, sm90 / sm100, the cuDNN
-    backend enabled; see ``cudnn_takes_narrower_values``), unless deterministic algorithms are asked
-    for (torch's SDPA then skips cuDNN too)."""
-    return cudnn_takes_narrower_values(q_BHSD) and not torch.are_deterministic_algorithms_enabled()
 
 
 def _allowed_keys(B: int, S: int, *, sliding_window: int | None, offsets_N: torch.Tensor | None,

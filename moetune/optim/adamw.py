@@ -76,7 +76,7 @@ class AdamW(torch.optim.Optimizer):
     step can be captured in a CUDA graph.
 
     ``set_gradient_scale(coefficient)`` makes the steps read every gradient multiplied by it:
-    gradient clipping (``moetune.optim.clip_grad_norm_``) without its own pass over the gradients.
+    gradient clipping (``moetune.distributed.clip_grad_norm_(..., optimizer=)``) without its own pass over the gradients.
     """
 
     def __init__(

@@ -132,7 +132,7 @@ def test_deepseek_attention_with_the_kernels_equals_transformers_in_interpreter(
 
     monkeypatch.setattr(deepseek, "mla_queries_keys_values", kernels)
     monkeypatch.setattr(deepseek, "flash_kernels_apply", lambda q: pad_values)
-    monkeypatch.setattr(deepseek, "cudnn_takes_narrower_values", lambda q: False)
+    monkeypatch.setattr(deepseek, "cudnn_attention_applies", lambda q: False)
     x = torch.randn(2, 7, 32)
     position_embeddings = hf.DeepseekV3RotaryEmbedding(config)(x, torch.arange(7)[None].expand(2, -1))
     grad_out = torch.randn(2, 7, 32)

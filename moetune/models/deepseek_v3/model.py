@@ -20,7 +20,7 @@ from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout
 from moetune.kernels import RMSNorm
 from moetune.kernels.mla_rope import mla_queries_keys_values
 from moetune.layers.document_attention import (
-    cudnn_takes_narrower_values,
+    cudnn_attention_applies,
     document_causal_attention,
     flash_kernels_apply,
     has_cache,
@@ -115,7 +115,7 @@ class DeepseekV3Attention(hf.DeepseekV3Attention):
         q_BSHD = q.view(B, S, -1, self.qk_head_dim)
         # Values as narrow as Transformers' where the kernel takes them, else padded to the query width.
         pad_values = (self.v_head_dim < self.qk_head_dim and flash_kernels_apply(q_BSHD)
-                      and not (offsets_N is None and cudnn_takes_narrower_values(q_BSHD)))  # fmt: skip
+                      and not (offsets_N is None and cudnn_attention_applies(q_BSHD)))  # fmt: skip
         cos, sin = position_embeddings
         # One Triton kernel each way on CUDA; elsewhere the same math in torch ops.
         q_BSHD, k_BSHD, v_BSHD = mla_queries_keys_values(q_BSHD, kv_BSHX, k_rot_BSR, cos, sin,
