@@ -8,6 +8,10 @@ Writing c1, c2 / s1, s2 for the halves of cos / sin, the forward is
 ``dx1 = dy1 c1 + dy2 s2``, ``dx2 = dy2 c2 - dy1 s1``: the same kernel with
 ``(s1, s2) -> (-s2, -s1)``, which is the rotation by -sin when cos = cat(freqs, freqs).
 
+``cos``/``sin`` may also hold each frequency once, ``[B, S, D / 2]`` (GPT-OSS's rotary tables, whose
+``_apply_rotary_emb`` multiplies both halves by the same table): then c2 = c1 and s2 = s1, read from
+the one half, with no ``cat`` of the tables per layer.
+
 Shape legend: B batch, S sequence, Hq / Hk query / key heads, D head_dim.
 q and k may be strided views (Qwen3's ``q_norm(...).transpose(1, 2)``); only D must be contiguous.
 """
@@ -43,10 +47,11 @@ if HAS_TRITON:
         seq_len, num_q_heads, num_k_heads, half_dim,
         sq_b, sq_h, sq_s, sk_b, sk_h, sk_s,
         sqo_b, sqo_h, sqo_s, sko_b, sko_h, sko_s,
-        sc_b, sc_s,
+        sc_b, sc_s, second_half,
         BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
         # One program per (batch, position): cos/sin are read once and applied to every q and k head.
+        # second_half: where the tables' second half starts (half_dim; 0 for half-width tables).
         pid = tl.program_id(0)
         b = (pid // seq_len).to(tl.int64)
         s = (pid % seq_len).to(tl.int64)
@@ -54,9 +59,9 @@ if HAS_TRITON:
         d_mask = d < half_dim
         cs_off = b * sc_b + s * sc_s + d
         c1 = tl.load(cos_ptr + cs_off, mask=d_mask, other=0.0).to(tl.float32)
-        c2 = tl.load(cos_ptr + cs_off + half_dim, mask=d_mask, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + cs_off + second_half, mask=d_mask, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + cs_off, mask=d_mask, other=0.0).to(tl.float32)
-        s2 = tl.load(sin_ptr + cs_off + half_dim, mask=d_mask, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + cs_off + second_half, mask=d_mask, other=0.0).to(tl.float32)
         if BACKWARD:  # transpose of the rotation: (s1, s2) -> (-s2, -s1)
             s_first = -s2
             s2 = -s1
@@ -88,6 +93,10 @@ if HAS_TRITON:
             tl.store(dst + half_dim, (x2 * c2 + x1 * s2).to(ko_ptr.dtype.element_ty), mask=mask)
 
 
+def _full_width(table: torch.Tensor, head_dim: int) -> torch.Tensor:
+    return table if table.shape[-1] == head_dim else torch.cat((table, table), dim=-1)
+
+
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -101,11 +110,13 @@ def _rope_triton(
     num_k_heads = k.shape[1]
     if batch * seq_len == 0:
         return
-    cos = cos.expand(batch, seq_len, head_dim)  # a batch-1 cos gets batch stride 0
-    sin = sin.expand(batch, seq_len, head_dim)
+    table_width = cos.shape[-1]  # head_dim, or head_dim / 2 for half-width tables
+    cos = cos.expand(batch, seq_len, table_width)  # a batch-1 cos gets batch stride 0
+    sin = sin.expand(batch, seq_len, table_width)
     if cos.stride() != sin.stride():
         cos, sin = cos.contiguous(), sin.contiguous()
     half_dim = head_dim // 2
+    second_half = half_dim if table_width == head_dim else 0
     block_d = next_pow2(half_dim)
     block_h = max(1, min(next_pow2(max(num_q_heads, num_k_heads)), _TILE // block_d))
     with device_of(q):
@@ -114,7 +125,7 @@ def _rope_triton(
             seq_len, num_q_heads, num_k_heads, half_dim,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-            cos.stride(0), cos.stride(1),
+            cos.stride(0), cos.stride(1), second_half,
             BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=warps_for(block_h * block_d),
         )  # fmt: skip
 
@@ -125,6 +136,7 @@ def _rope_torch(
 ) -> None:  # fmt: skip
     """The kernel's math in torch ops, fp32 inside (lets CPU tests gradcheck the backward)."""
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    cos, sin = _full_width(cos, q.shape[-1]), _full_width(sin, q.shape[-1])
     c1, c2 = cos.to(compute_dtype).unsqueeze(1).chunk(2, dim=-1)
     s1, s2 = sin.to(compute_dtype).unsqueeze(1).chunk(2, dim=-1)
     if backward:
@@ -168,7 +180,8 @@ def apply_rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Rotary embedding of q and k, same semantics and signature as Transformers' ``apply_rotary_pos_emb``.
 
-    q [B, Hq, S, D], k [B, Hk, S, D] (or [B, S, H, D] with ``unsqueeze_dim=2``), cos/sin [B or 1, S, D].
+    q [B, Hq, S, D], k [B, Hk, S, D] (or [B, S, H, D] with ``unsqueeze_dim=2``), cos/sin [B or 1, S, D],
+    or [B or 1, S, D / 2] holding each frequency once (the same as ``cat((cos, cos), -1)``).
     The Triton path handles q and k in one launch and does not differentiate through cos/sin
     (they come from the rotary buffer); when cos or sin requires grad the reference runs instead.
     """
@@ -181,8 +194,9 @@ def apply_rope(
     if k.shape[0] != q.shape[0] or k.shape[seq_dim] != q.shape[seq_dim] or cos.shape[1] != q.shape[seq_dim]:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)} and cos {tuple(cos.shape)} disagree on batch or "
                          f"sequence length (unsqueeze_dim={unsqueeze_dim})")  # fmt: skip
-    if q.shape[-1] % 2 or k.shape[-1] != q.shape[-1] or cos.shape[-1] != q.shape[-1]:
-        raise ValueError(f"head_dim must be even and equal in q, k, cos: {q.shape[-1]}, {k.shape[-1]}, {cos.shape[-1]}")
+    if q.shape[-1] % 2 or k.shape[-1] != q.shape[-1] or cos.shape[-1] not in (q.shape[-1], q.shape[-1] // 2):
+        raise ValueError(f"head_dim must be even and equal in q and k, and cos must be head_dim or head_dim / 2 "
+                         f"wide: q {q.shape[-1]}, k {k.shape[-1]}, cos {cos.shape[-1]}")  # fmt: skip
     differentiable_cos = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
     if use_triton(impl, q, k, cos, sin) and not differentiable_cos:
         cos, sin = _unit_last(cos), _unit_last(sin)
@@ -190,4 +204,5 @@ def apply_rope(
             q_out, k_out = RoPEFunction.apply(_unit_last(q.transpose(1, 2)), _unit_last(k.transpose(1, 2)), cos, sin, "triton")
             return q_out.transpose(1, 2), k_out.transpose(1, 2)
         return RoPEFunction.apply(_unit_last(q), _unit_last(k), cos, sin, "triton")
-    return apply_rope_reference(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    head_dim = q.shape[-1]
+    return apply_rope_reference(q, k, _full_width(cos, head_dim), _full_width(sin, head_dim), unsqueeze_dim=unsqueeze_dim)

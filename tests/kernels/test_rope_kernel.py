@@ -43,6 +43,24 @@ def test_torch_path_matches_naive_rotation_and_transformers_fp32():
     torch.testing.assert_close(k_out, k_hf, atol=0, rtol=0)
 
 
+def test_half_width_tables_match_gpt_oss_rotation_fp32():
+    """GPT-OSS's tables hold each frequency once ([B, S, D / 2]); Transformers' GPT-OSS rotation and
+    the full-width tables cat((cos, cos)) give the same result, on both paths."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb as gpt_oss_rope
+
+    torch.manual_seed(0)
+    q, k = qk(2, 4, 2, 5, 16)
+    cos, sin = rope_tables(2, 5, 16)
+    half_cos, half_sin = cos[..., :8], sin[..., :8]  # rope_tables gives cat(freqs, freqs)
+    q_hf, k_hf = gpt_oss_rope(q, k, half_cos, half_sin)
+    q_out, k_out = apply_rope(q, k, half_cos, half_sin, impl="torch")
+    torch.testing.assert_close(q_out, q_hf, atol=0, rtol=0)
+    torch.testing.assert_close(k_out, k_hf, atol=0, rtol=0)
+    q_full, k_full = apply_rope(q, k, cos, sin, impl="torch")
+    torch.testing.assert_close(q_out, q_full, atol=0, rtol=0)
+    torch.testing.assert_close(k_out, k_full, atol=0, rtol=0)
+
+
 def test_rejects_bad_shapes():
     q, k = qk(1, 2, 1, 3, 8)
     cos, sin = rope_tables(1, 3, 8)
@@ -54,6 +72,8 @@ def test_rejects_bad_shapes():
         apply_rope(q, k[:, :, :2], cos, sin)
     with pytest.raises(ValueError, match="head_dim"):
         apply_rope(q[..., :7], k[..., :7], cos[..., :7], sin[..., :7])
+    with pytest.raises(ValueError, match="head_dim / 2"):
+        apply_rope(q, k, cos[..., :3], sin[..., :3])
 
 
 def test_reference_gradcheck_float64():
@@ -77,6 +97,8 @@ def _check_triton_vs_reference(q, k, cos, sin, dq, dk, *, unsqueeze_dim=1):
     q_out, k_out = apply_rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, impl="triton")
     grads = torch.autograd.grad((q_out, k_out), (q, k), (dq, dk))
     q32, k32 = (t.detach().float().requires_grad_() for t in (q, k))
+    if cos.shape[-1] != q.shape[-1]:  # half-width tables: the reference takes cat(freqs, freqs)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     ref = apply_rope_reference(q32, k32, cos.float(), sin.float(), unsqueeze_dim=unsqueeze_dim)
     ref_grads = torch.autograd.grad(ref, (q32, k32), (dq.float(), dk.float()))
     assert q_out.stride() == q.stride() and k_out.stride() == k.stride()  # keeps the layout, as torch does
@@ -111,6 +133,27 @@ def test_triton_kernel_in_interpreter_bshd_layout_and_batch1_tables(interpret):
     k = torch.randn(2, 5, 2, 8)
     cos, sin = rope_tables(1, 5, 8)  # batch-1 tables broadcast over the batch
     _check_triton_vs_reference(q, k, cos, sin, torch.randn(q.shape), torch.randn(k.shape), unsqueeze_dim=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernel_in_interpreter_half_width_tables(interpret, dtype):
+    """[B, S, D / 2] tables (GPT-OSS): the kernel reads both halves' factors from the one half."""
+    torch.manual_seed(0)
+    q, k = qk(2, 4, 2, 5, 16, dtype=dtype)
+    cos, sin = rope_tables(1, 5, 16, dtype=dtype)
+    dq, dk = torch.randn(q.shape, dtype=dtype), torch.randn(k.shape, dtype=dtype)
+    _check_triton_vs_reference(q, k, cos[..., :8], sin[..., :8], dq, dk)
+
+
+@pytest.mark.gpu
+@gpu
+def test_triton_half_width_tables_on_gpu():
+    torch.manual_seed(0)
+    q, k = qk(1, 64, 8, 4096, 64, dtype=torch.bfloat16, device="cuda")  # GPT-OSS-20B's heads
+    cos, sin = rope_tables(1, 4096, 64, dtype=torch.bfloat16, device="cuda")  # GPT-OSS casts its tables to x's dtype
+    dq = torch.randn(q.shape, dtype=torch.bfloat16, device="cuda")
+    dk = torch.randn(k.shape, dtype=torch.bfloat16, device="cuda")
+    _check_triton_vs_reference(q, k, cos[..., :32], sin[..., :32], dq, dk)
 
 
 @pytest.mark.gpu

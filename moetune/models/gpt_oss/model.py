@@ -73,8 +73,8 @@ class GptOssAttention(hf.GptOssAttention):
         q = self.q_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         k = self.k_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         v = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        cos, sin = position_embeddings  # each frequency once, [B, S, D / 2]: the kernel takes cat(freqs, freqs)
-        q, k = apply_rope(q, k, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
+        cos, sin = position_embeddings  # each frequency once, [B, S, D / 2]: the kernel's half-width tables
+        q, k = apply_rope(q, k, cos, sin)
         out = sink_attention(q, k, v, self.sinks, scaling=self.scaling, sliding_window=self.sliding_window,
                              offsets_N=offsets_N, max_length=max_length)
         return self.o_proj(out.reshape(*input_shape, -1)), None
