@@ -18,6 +18,7 @@ DEFAULT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "default"
 
 PRECISIONS = ("auto", "fp32", "bf16_autocast", "bf16")
 PARALLELISMS = ("fsdp", "ddp")
+PACKING_STRATEGIES = ("best_fit", "in_order")
 ON_BAD_ROW = ("skip", "fail")
 
 
@@ -67,6 +68,10 @@ class DataConfig:
     """Pack several samples into each row; positions and attention restart at each sample (moetune's
     Nemotron-H restarts its Mamba-2 state too). Refused for Transformers' models with recurrent
     layers (Jamba, Bamba, ...), whose state would cross samples."""
+    packing_strategy: str = "best_fit"
+    """How samples fill the packed rows: "best_fit" (best-fit decreasing over each epoch's shuffled
+    samples, then the rows shuffled: almost no padding) or "in_order" (next-fit in the shuffled
+    order: keeps the order, pads a row whenever the next sample does not fit)."""
     val_fraction: float = 0.02
     """Fraction of the training rows held out for the validation loss (0 disables it)."""
     on_bad_row: str = "skip"
@@ -271,6 +276,8 @@ def validate(config: JobConfig) -> JobConfig:
           "needs data.packing (every captured step takes one fixed batch shape)")
     check(not config.training.cuda_graph or config.distributed.ep_overlap_chunks == 1, "training.cuda_graph",
           "the chunked all-to-all dispatcher cannot be captured; leave distributed.ep_overlap_chunks at 1")
+    check(config.data.packing_strategy in PACKING_STRATEGIES, "data.packing_strategy",
+          f"{config.data.packing_strategy!r} is not one of {PACKING_STRATEGIES}")
     check(config.data.on_bad_row in ON_BAD_ROW, "data.on_bad_row",
           f"{config.data.on_bad_row!r} is not one of {ON_BAD_ROW}")
     for name, value in [

@@ -80,6 +80,7 @@ def test_unknown_key_names_it_and_the_closest_valid_key(tmp_path):
     (["--training.steps", "0"], "config field training.steps: must be >= 1, got 0"),
     (["--training.precision", "fp8"], "config field training.precision: 'fp8' is not one of"),
     (["--data.on_bad_row", "ignore"], "config field data.on_bad_row"),
+    (["--data.packing_strategy", "first_fit"], "config field data.packing_strategy: 'first_fit' is not one of"),
     (["--lora.rank", "-1"], "config section lora: LoraSettings.rank must be a positive int"),
     (["--distributed.ep_overlap_chunks", "0"], "config field distributed.ep_overlap_chunks: must be >= 1, got 0"),
     (["--distributed.replicate_max_ctas", "-1"], "config field distributed.replicate_max_ctas: must be >= 0, got -1"),
