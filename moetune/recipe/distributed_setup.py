@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,12 @@ class Runtime(ProcessInfo):
     """Where this process runs (``local_rank``: its GPU index on the node)."""
 
     local_rank: int = 0
+    host_group: Any = None
+    """A gloo group of the same ranks, for numbers the host holds (each step's token counts, the stop
+    flag, the loss after the norm's read): summed over it they never wait for the GPU. On NCCL a
+    device tensor's ``tolist()`` waits for everything queued before it, so the count of step N + 1
+    waited for step N's update and the host could not queue the next forward behind the update.
+    None: sum over the default group (one process, or a Runtime built by hand)."""
 
 
 def init_runtime(training: TrainingConfig, dist_config: DistributedConfig) -> Runtime:
@@ -44,7 +51,8 @@ def init_runtime(training: TrainingConfig, dist_config: DistributedConfig) -> Ru
     if world_size > 1 and not dist.is_initialized():
         backend = dist_config.backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
-    return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    host_group = dist.new_group(backend="gloo") if world_size > 1 else None  # collective: every rank
+    return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, host_group=host_group)
 
 
 def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora, model_config=None) -> dict | None:
@@ -122,11 +130,13 @@ def barrier(runtime: Runtime) -> None:
 
 
 def all_reduce_sum(values: list[float], runtime: Runtime) -> list[float]:
-    """Sum of ``values`` over ranks (one small collective)."""
+    """Sum of ``values`` over ranks (one small collective; over ``runtime.host_group`` when there is
+    one, on the CPU, so that it does not wait for the GPU's queue)."""
     if not runtime.distributed:
         return values
-    t = torch.tensor(values, dtype=torch.float64, device=runtime.device)
-    dist.all_reduce(t)
+    device = "cpu" if runtime.host_group is not None else runtime.device
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=runtime.host_group)
     return t.tolist()
 
 

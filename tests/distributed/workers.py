@@ -241,8 +241,19 @@ def one_step_parity(rank: int, world_size: int, folder: str, *, what: str, enabl
     _compare_grads(model, ref, what=what)
 
 
+def recipe_host_sums(rank: int, world_size: int) -> None:
+    """The recipe's per-step host numbers are summed over its own gloo group, on the CPU."""
+    from moetune.recipe.config import DistributedConfig, TrainingConfig
+    from moetune.recipe.distributed_setup import all_reduce_sum, init_runtime
+
+    runtime = init_runtime(TrainingConfig(device="cpu"), DistributedConfig())
+    assert runtime.host_group is not None and dist.get_world_size(runtime.host_group) == world_size
+    assert all_reduce_sum([rank + 1.0, 0.5], runtime) == [3.0, 1.0]
+
+
 def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str, out: str) -> None:
     assert world_size == 2
+    recipe_host_sums(rank, world_size)
     # Without ep_size / device_mesh, from_pretrained under torchrun returns an unsharded model.
     plain = _load(folder)
     assert not any(isinstance(p, DTensor) for p in plain.parameters())
