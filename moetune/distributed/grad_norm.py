@@ -18,6 +18,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from moetune.kernels._triton_utils import use_triton
+from moetune.kernels.sum_squares import sum_of_squares
+
 
 def _groups(grads: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
@@ -46,9 +49,12 @@ def total_grad_norm(parameters: Iterable[torch.Tensor] | nn.Module, *, norm_type
     for (_, ranks, shard_dims), group in _groups(grads).items():
         locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in group]
         device = locals_[0].device
-        norms = torch.cat([torch.stack(torch._foreach_norm(ts, norm_type, dtype=torch.float32))
-                           for ts in _by_device_and_dtype(locals_).values()])
-        value = norms.max() if is_inf else norms.pow(norm_type).sum()
+        if norm_type == 2.0:
+            value = sum(sum_of_squares(ts).to(device) for ts in _by_device_and_dtype(locals_).values())
+        else:
+            norms = torch.cat([torch.stack(torch._foreach_norm(ts, norm_type, dtype=torch.float32))
+                               for ts in _by_device_and_dtype(locals_).values()])
+            value = norms.max() if is_inf else norms.pow(norm_type).sum()
         if ranks is not None:
             mesh = group[0].device_mesh
             for dim in shard_dims:
@@ -79,9 +85,10 @@ def clip_grad_norm_(
     ``max_norm=inf``, where the coefficient is otherwise 1)."""
     params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
     grads = [p.grad for p in params if p.grad is not None]
-    if any(isinstance(grad, DTensor) for grad in grads):
+    if any(isinstance(grad, DTensor) for grad in grads) or (float(norm_type) == 2.0 and grads and use_triton("auto", *grads)):
+        # DTensors, or CUDA gradients (moetune's sum-of-squares kernel reads them faster than foreach)
         total = total_grad_norm(params, norm_type=norm_type)
-    else:  # plain tensors: torch's own norm, so the clipping equals torch.nn.utils.clip_grad_norm_'s
+    else:  # CPU tensors: torch's own norm, so the clipping equals torch.nn.utils.clip_grad_norm_'s
         total = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros(())
     if optimizer is not None:
         scale = torch.ones_like(total) if math.isinf(max_norm) else torch.clamp(max_norm / (total + 1e-6), max=1.0)

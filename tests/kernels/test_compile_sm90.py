@@ -83,7 +83,7 @@ class _CompileOnly:
 def compile_only(monkeypatch):
     for name in ("kernels.rms_norm", "kernels.swiglu", "kernels.rope", "kernels.permute", "kernels.qk_norm_rope",
                  "kernels.router", "kernels.grouped_gemm", "kernels.cross_entropy", "optim.adamw", "kernels.mla_rope",
-                 "kernels.expert_bias", "kernels.clamped_swiglu", "kernels.attention_sinks"):  # fmt: skip
+                 "kernels.expert_bias", "kernels.clamped_swiglu", "kernels.attention_sinks", "kernels.sum_squares"):  # fmt: skip
         module = importlib.import_module(f"moetune.{name}")
         for attr, obj in list(vars(module).items()):
             if isinstance(obj, JITFunction) and attr.endswith("_kernel"):  # launched kernels, not jit helpers
@@ -103,6 +103,13 @@ def test_rms_norm_compiles_for_hopper(compile_only, dtype, shape, weight_grad, r
     x = torch.zeros(shape, dtype=dtype, requires_grad=True)
     w = torch.ones(shape[-1], dtype=dtype, requires_grad=weight_grad)
     _fwd_bwd(rms_norm(x, w, round_before_weight=round_before_weight, impl="triton"), (x, w) if weight_grad else (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sum_of_squares_compiles_for_hopper(compile_only, dtype):
+    from moetune.kernels.sum_squares import sum_of_squares
+
+    sum_of_squares([torch.zeros(5000, dtype=dtype), torch.zeros(3, 7, dtype=dtype)], impl="triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
