@@ -77,6 +77,9 @@ def test_clip_grad_norm_on_gpu_uses_the_kernel_and_matches_torch():
     params = [torch.nn.Parameter(torch.randn(n, device="cuda", dtype=torch.bfloat16)) for n in (4 << 20, 100, 2 << 20)]
     for p in params:
         p.grad = torch.randn_like(p)
-    expected = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    exact_norm = exact([p.grad for p in params]).sqrt()
     got = clip_grad_norm_(params, float("inf"))
-    torch.testing.assert_close(got.float(), expected.float(), rtol=1e-5, atol=0)
+    assert got.dtype == torch.float32  # torch's foreach norm of bf16 gradients comes back in bf16
+    torch.testing.assert_close(got.double(), exact_norm, rtol=1e-5, atol=0)
+    torch_norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    torch.testing.assert_close(torch_norm.double(), exact_norm, rtol=1e-2, atol=0)
