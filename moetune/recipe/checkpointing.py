@@ -98,6 +98,11 @@ def resolve_resume(resume: str, *, output_dir: str) -> Path | None:
     return path
 
 
+def read_train_state(path: Path) -> TrainState:
+    """The step, data position and fingerprint of the checkpoint at ``path`` (no tensors read)."""
+    return TrainState(**json.loads((path / STATE_FILE).read_text()))
+
+
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, runtime: Runtime,
                     fingerprint: dict[str, Any]) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """Load ``path`` into model and optimizer in place, restore the RNGs; return its TrainState and
@@ -105,7 +110,7 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
 
     Refuses a checkpoint of another model (or other LoRA settings, or world size), saying what
     differs, before touching any tensor."""
-    state = TrainState(**json.loads((path / STATE_FILE).read_text()))
+    state = read_train_state(path)
     differences = [f"{key}: checkpoint {state.fingerprint.get(key)!r}, this job {fingerprint.get(key)!r}"
                    for key in sorted(set(state.fingerprint) | set(fingerprint))
                    if state.fingerprint.get(key) != fingerprint.get(key)]

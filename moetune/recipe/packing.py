@@ -277,10 +277,25 @@ class BatchStream:
         self.position = DataPosition(epoch=self.position.epoch, micro_batch=self.position.micro_batch + 1)
         return collate(rows, pad_id=self.pad_id, max_length=self.max_length, packed=self.packed)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.position.epoch, "micro_batch": self.position.micro_batch}
+    def state_dict(self) -> dict:
+        state: dict = {"epoch": self.position.epoch, "micro_batch": self.position.micro_batch}
+        if self.packed:  # the position counts rows, which depend on how samples were packed
+            state["packing_strategy"] = self.packing_strategy
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def check_resumable(self, state: dict, where: str = "checkpoint.resume") -> None:
+        """Raise if ``state`` counts rows packed another way than this stream packs them (the resume
+        would repeat some samples and skip others). Checkpoints from before ``data.packing_strategy``
+        existed packed in order."""
+        saved = state.get("packing_strategy", "in_order")
+        if self.packed and saved != self.packing_strategy:
+            raise ValueError(
+                f"{where}: the checkpoint's data position counts rows packed with data.packing_strategy "
+                f"{saved!r}, this job packs with {self.packing_strategy!r}: the resume would not continue the "
+                f"same data order. Resume with --data.packing_strategy {saved}")
+
+    def load_state_dict(self, state: dict) -> None:
+        self.check_resumable(state)
         self.position = DataPosition(epoch=int(state["epoch"]), micro_batch=int(state["micro_batch"]))
 
 

@@ -183,6 +183,7 @@ def resume_if_asked(job: Job, config: JobConfig) -> int:
     path = checkpointing.resolve_resume(config.checkpoint.resume, output_dir=config.training.output_dir)
     if path is None:
         return 0
+    job.stream.check_resumable(checkpointing.read_train_state(path).data, f"checkpoint.resume: {path}")  # before any tensor
     state, rank_tensors = checkpointing.load_checkpoint(path, model=job.model, optimizer=job.optimizer,
                                                         runtime=job.runtime, fingerprint=job.fingerprint)
     if job.expert_load is not None and "expert_tokens" in rank_tensors:  # the counts go on from the resume

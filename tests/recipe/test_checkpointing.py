@@ -48,6 +48,25 @@ def test_resume_refuses_a_checkpoint_of_another_model(tiny_job, tmp_path):
         finetune(tiny_job(out, training__steps=4, checkpoint__resume="auto", model__config_path=other))
 
 
+def test_resume_refuses_rows_packed_another_way(tiny_job, tmp_path):
+    """The data position counts packed rows: a resume with another data.packing_strategy (or of a
+    checkpoint written before the option, which packed in order) is refused before any tensor loads."""
+    import json
+
+    out = tmp_path / "ck"
+    finetune(tiny_job(out, training__steps=2, checkpoint__every=2))
+    with pytest.raises(ValueError, match="packed with data.packing_strategy 'best_fit', this job packs with 'in_order'"):
+        finetune(tiny_job(out, training__steps=4, checkpoint__resume="auto", data__packing_strategy="in_order"))
+    state_file = out / "checkpoints" / "step_00000002" / checkpointing.STATE_FILE
+    state = json.loads(state_file.read_text())
+    del state["data"]["packing_strategy"]  # as written before the option existed
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="Resume with --data.packing_strategy in_order"):
+        finetune(tiny_job(out, training__steps=4, checkpoint__resume="auto"))
+    resumed = finetune(tiny_job(out, training__steps=4, checkpoint__resume="auto", data__packing_strategy="in_order"))
+    assert len(resumed.losses) == 2
+
+
 def test_nan_loss_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tiny_job, tmp_path, monkeypatch):
     out = tmp_path / "nan"
     real_step = train.train_step
