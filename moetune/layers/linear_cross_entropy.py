@@ -127,7 +127,9 @@ def linear_cross_entropy(
     elif isinstance(num_items_in_batch, torch.Tensor):
         normalizer = num_items_in_batch.to(device=hidden_TH.device, dtype=acc_dtype)
     else:
-        normalizer = torch.tensor(float(num_items_in_batch), device=hidden_TH.device, dtype=acc_dtype)
+        # A fill on the device: torch.tensor(number, device=cuda) is a blocking copy from the host,
+        # which makes the host wait for the whole forward before it queues the loss.
+        normalizer = torch.full((), float(num_items_in_batch), device=hidden_TH.device, dtype=acc_dtype)
     if isinstance(weight_VH, DTensor):  # split by vocabulary rows over the ranks (vocab_parallel=True)
         from moetune.distributed.vocab_parallel import vocab_parallel_cross_entropy
 

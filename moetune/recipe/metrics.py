@@ -72,10 +72,13 @@ class ExpertLoad:
         routing of softmax routers such as Transformers' fallback models')."""
         chosen_per_layer = self._chosen or [logits_TE.topk(self.top_k, dim=-1).indices for logits_TE in router_logits or ()]
         self._chosen = []
+        # Once, without blocking: a blocking copy of the host's mask per layer made the eager recipe's
+        # host wait for the whole forward before queueing the backward (profile, seventeenth session).
+        real_T = real_T.to(self.counts_LE.device, non_blocking=True)
         for layer, experts_TK in enumerate(chosen_per_layer):
             # Weighted adds, not a masked selection + bincount: no data-dependent shape, so no host
             # synchronisation, and the count can run inside a CUDA-graph step.
-            real_TK = real_T.to(experts_TK.device).unsqueeze(-1).expand_as(experts_TK)
+            real_TK = real_T.unsqueeze(-1).expand_as(experts_TK)
             self.counts_LE[layer].index_add_(0, experts_TK.flatten().long(), real_TK.flatten().long())
 
     def as_lists(self) -> list[list[int]]:

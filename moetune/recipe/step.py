@@ -90,7 +90,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
             loss, lm_loss = micro_batch_loss(
                 model, batch.model_inputs(runtime.device, document_offsets=document_offsets), num_items=items_per_rank,
                 aux_coef=aux_coef, num_micro_batches=len(micro_batches), autocast=autocast, expert_load=expert_load,
-                real_T=batch.real_BT.flatten())  # fmt: skip
+                real_T=batch.real_BT.flatten().to(runtime.device, non_blocking=True))  # fmt: skip
             loss.backward()
         loss_sum += lm_loss
     grad_norm = clip_grad_norm(model, max_norm=grad_clip, optimizer=optimizer)
@@ -151,7 +151,9 @@ class GraphedTrainStep:
     def __call__(self, micro_batches: list[Batch]) -> StepResult:
         items_per_rank, num_tokens = _items_and_tokens(micro_batches, self.runtime)
         device = self.runtime.device
-        num_items = torch.tensor(items_per_rank, dtype=torch.float32, device=device)
+        # A fill on the device, not a blocking copy: the host prepares this step while the GPU still
+        # runs the previous update.
+        num_items = torch.full((), items_per_rank, dtype=torch.float32, device=device)
         loss_sum = torch.zeros((), device=device)
         for batch in micro_batches:
             inputs = batch.model_inputs(device, document_offsets=self.num_offsets is not None,

@@ -128,6 +128,38 @@ def test_graphed_recipe_on_gpu_trains_as_the_eager_one(tiny_job, tmp_path):
     assert graphed.val_loss == pytest.approx(eager.val_loss, rel=1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_eager_recipe_queues_forward_and_backward_without_host_sync(tiny_job, tmp_path, monkeypatch):
+    """From the loss of a micro-batch to the clipping's read of the norm, the eager step never makes
+    the host wait for the GPU (a blocking copy of the expert-load mask per layer once did, so the host
+    queued the backward only after the whole forward had run). The first step may sync (lazy init)."""
+    from moetune.recipe import step as step_module
+
+    real_loss, real_clip = step_module.micro_batch_loss, step_module.clip_grad_norm
+    calls = {"loss": 0, "strict": 0}
+
+    def strict_loss(*args, **kwargs):
+        calls["loss"] += 1
+        if calls["loss"] > 2:  # after the first step (2 micro-batches): forward and backward watched
+            calls["strict"] += 1
+            torch.cuda.set_sync_debug_mode("error")
+        return real_loss(*args, **kwargs)
+
+    def clip(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode("default")  # the norm's read (the NaN check) syncs by design
+        return real_clip(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "micro_batch_loss", strict_loss)
+    monkeypatch.setattr(step_module, "clip_grad_norm", clip)
+    try:
+        finetune(tiny_job(tmp_path / "eager", training__steps=3, training__device="cuda",
+                          training__grad_accum_steps=2, training__micro_batch_size=1))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert calls["strict"] == 4
+
+
 def test_several_processes_need_the_capturable_expert_parallel_settings():
     from moetune.recipe.distributed_setup import Runtime
     from moetune.recipe.train import _check_graph_sharding
