@@ -121,8 +121,9 @@ class TrainingConfig:
     other work, threads that wait for each other can make a step ten times slower."""
     cuda_graph: bool = False
     """Replay each step from CUDA graphs (moetune.training.CUDAGraphTrainStep): on a GPU the host no
-    longer launches every kernel of the step, which an MoE step otherwise waits for (1.12x the eager
-    recipe's tokens/s on one H200 with best-fit rows, 1.15x with expert parallelism on two; recipe README). Needs packed rows
+    longer launches every kernel of the step, which an MoE step otherwise waits for (1.04x the eager
+    recipe's tokens/s on one H200, Qwen3 shapes, 8 layers; 1.15x with expert parallelism on two,
+    measured before the eager step stopped waiting for the forward; recipe README). Needs packed rows
     (data.packing), an architecture whose layers take the documents' offsets (moetune's four:
     Qwen3-MoE, DeepSeek-V3, GPT-OSS, Nemotron-H), and with several processes expert parallelism with ep_dispatch "allgather" and
     dense_parallel "replicate". The first two steps run eagerly; off CUDA every step does. Measured
