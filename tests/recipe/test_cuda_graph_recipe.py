@@ -128,13 +128,31 @@ def test_graphed_recipe_on_gpu_trains_as_the_eager_one(tiny_job, tmp_path):
     assert graphed.val_loss == pytest.approx(eager.val_loss, rel=1e-3)
 
 
+def _family_config(family: str, folder):
+    """None for the default job's Qwen3-MoE; else a tiny config of ``family`` saved to ``folder``."""
+    if family == "qwen3_moe":
+        return None
+    from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
+    from tests.test_gpt_oss_parity import tiny_gpt_oss_config
+    from tests.test_nemotron_h_parity import tiny_nemotron_h_config
+
+    make_config = {"nemotron_h": tiny_nemotron_h_config, "gpt_oss": tiny_gpt_oss_config,
+                   "deepseek_v3": tiny_deepseek_v3_config}[family]
+    make_config(vocab_size=309, max_position_embeddings=512).save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_eager_recipe_queues_forward_and_backward_without_host_sync(tiny_job, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "nemotron_h", "deepseek_v3"])
+def test_eager_recipe_queues_forward_and_backward_without_host_sync(tiny_job, tmp_path, monkeypatch, family):
     """From the loss of a micro-batch to the clipping's read of the norm, the eager step never makes
     the host wait for the GPU (a blocking copy of the expert-load mask per layer once did, so the host
     queued the backward only after the whole forward had run). The first step may sync (lazy init)."""
     from moetune.recipe import step as step_module
+
+    config_path = _family_config(family, tmp_path / "model")
+    model = {"model__config_path": config_path} if config_path else {}
 
     real_loss, real_clip = step_module.micro_batch_loss, step_module.clip_grad_norm
     calls = {"loss": 0, "strict": 0}
@@ -154,7 +172,7 @@ def test_eager_recipe_queues_forward_and_backward_without_host_sync(tiny_job, tm
     monkeypatch.setattr(step_module, "clip_grad_norm", clip)
     try:
         finetune(tiny_job(tmp_path / "eager", training__steps=3, training__device="cuda",
-                          training__grad_accum_steps=2, training__micro_batch_size=1))
+                          training__grad_accum_steps=2, training__micro_batch_size=1, **model))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert calls["strict"] == 4
@@ -193,14 +211,7 @@ def test_graphed_step_trains_other_offset_taking_families_as_the_eager_step(tiny
     """Nemotron-H (attention by offsets, Mamba-2 by document ids on the device), GPT-OSS (sinks and
     sliding windows inside each document) and DeepSeek-V3 (latent attention by offsets) take the
     documents' offsets, so the graphed step accepts them and computes what the eager step computes."""
-    from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
-    from tests.test_gpt_oss_parity import tiny_gpt_oss_config
-    from tests.test_nemotron_h_parity import tiny_nemotron_h_config
-
-    make_config = {"nemotron_h": tiny_nemotron_h_config, "gpt_oss": tiny_gpt_oss_config,
-                   "deepseek_v3": tiny_deepseek_v3_config}[family]
-    make_config(vocab_size=309, max_position_embeddings=512).save_pretrained(tmp_path / "model")
-    options = {"model__config_path": tmp_path / "model", "training__steps": 3}
+    options = {"model__config_path": _family_config(family, tmp_path / "model"), "training__steps": 3}
     eager = finetune(tiny_job(tmp_path / "eager", **options))
     graphed = finetune(tiny_job(tmp_path / "graphed", training__cuda_graph="true", **options))
     assert graphed.losses == pytest.approx(eager.losses, rel=1e-6)
