@@ -263,6 +263,7 @@ def _run_steps(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.
                flops: FlopsCounter, profiler: StepProfiler) -> tuple[int, bool]:
     window: list[StepResult] = []
     window_flops = window_tokens = 0.0  # this rank's own documents: FLOPs per real token of the window
+    window_slots = 0  # this rank's token positions (real + padding), for the rows' fill
     window_start = time.perf_counter()
     with StopRequest() as stop:
         while step < config.training.steps:
@@ -286,10 +287,12 @@ def _run_steps(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.
             window.append(result)
             window_flops += flops.of_documents([n for batch in micro_batches for n in batch.sample_lengths])
             window_tokens += sum(batch.num_tokens for batch in micro_batches)
+            window_slots += sum(batch.input_ids_BT.numel() for batch in micro_batches)
 
             if step % config.metrics.log_every == 0 or step == config.training.steps:
                 record = _step_record(step, window, time.perf_counter() - window_start, job,
                                       window_flops / max(window_tokens, 1.0), config)
+                record["row_fill"] = window_tokens / max(window_slots, 1)
                 if config.training.val_every and step % config.training.val_every == 0 and job.val_batches:
                     record["val_loss"] = evaluation.validation_loss(
                         job.model, job.val_batches, runtime=job.runtime, autocast=job.autocast,
@@ -299,6 +302,7 @@ def _run_steps(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.
                 sink.advance(len(window), metrics.format_postfix(record))
                 window, window_start = [], time.perf_counter()
                 window_flops = window_tokens = 0.0
+                window_slots = 0
 
             # Every rank must agree to stop at the same step (saving is collective).
             stopping = all_reduce_sum([float(stop.requested)], job.runtime)[0] > 0

@@ -44,6 +44,8 @@ def test_default_job_end_to_end_small(tiny_job, tmp_path):
     for key in ("lr", "grad_norm", "tokens_per_s_per_gpu", "tflops_per_gpu", "peak_mem_gib"):
         assert all(r[key] is not None for r in step_records), key
     assert all(r["mfu"] is None for r in step_records)  # CPU: n/a
+    # Real tokens over token positions (~22-token samples in 64-token rows: 2-3 fit, the rest pads).
+    assert all(0.6 < r["row_fill"] <= 1.0 for r in step_records), [r["row_fill"] for r in step_records]
     assert [r["step"] for r in records if "val_loss" in r and "loss" in r] == [3, 6]
     final = [r for r in records if r.get("final")][-1]
     assert len(final["expert_tokens"]) == 2 and len(final["expert_tokens"][0]) == 8  # 2 MoE layers x 8 experts
