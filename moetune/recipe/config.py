@@ -217,6 +217,11 @@ class DistributedConfig:
     """Gradient reduce-scatter dtype with ep_size > 1 ("float32" exact sums, or "bfloat16")."""
     backend: str = ""
     """torch.distributed backend; empty: nccl on GPU, gloo on CPU."""
+    host_gloo_group: bool = True
+    """Sum each step's host numbers (token counts, the stop flag, the loss) over a gloo group of the
+    ranks, so the host never waits for the GPU's queue for them; false: over the default group
+    (NCCL on GPUs), e.g. on a cluster where gloo cannot reach the other nodes (or set
+    GLOO_SOCKET_IFNAME to the interface it should use)."""
 
 
 @dataclass

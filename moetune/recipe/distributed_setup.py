@@ -51,7 +51,8 @@ def init_runtime(training: TrainingConfig, dist_config: DistributedConfig) -> Ru
     if world_size > 1 and not dist.is_initialized():
         backend = dist_config.backend or ("nccl" if device.type == "cuda" else "gloo")
         dist.init_process_group(backend=backend, device_id=device if device.type == "cuda" else None)
-    host_group = dist.new_group(backend="gloo") if world_size > 1 else None  # collective: every rank
+    use_gloo = world_size > 1 and dist_config.host_gloo_group
+    host_group = dist.new_group(backend="gloo") if use_gloo else None  # collective: every rank
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, host_group=host_group)
 
 

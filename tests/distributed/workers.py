@@ -249,6 +249,8 @@ def recipe_host_sums(rank: int, world_size: int) -> None:
     runtime = init_runtime(TrainingConfig(device="cpu"), DistributedConfig())
     assert runtime.host_group is not None and dist.get_world_size(runtime.host_group) == world_size
     assert all_reduce_sum([rank + 1.0, 0.5], runtime) == [3.0, 1.0]
+    default = init_runtime(TrainingConfig(device="cpu"), DistributedConfig(host_gloo_group=False))
+    assert default.host_group is None and all_reduce_sum([rank + 1.0], default) == [3.0]
 
 
 def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str, out: str) -> None:
