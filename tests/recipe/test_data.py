@@ -12,7 +12,7 @@ from transformers import AutoConfig, AutoTokenizer
 from moetune import AutoModelForCausalLM
 from moetune.recipe.config import DEFAULT_ASSETS
 from moetune.recipe.data_sources import ReadStats, read_rows
-from moetune.recipe.formatting import IGNORE_INDEX, tokenize_rows
+from moetune.recipe.formatting import IGNORE_INDEX, Sample, tokenize_rows
 from moetune.recipe.packing import BatchStream, collate, pack, split_validation
 
 from recipe_helpers import shipped_rows, write_jsonl
@@ -111,8 +111,6 @@ def test_packed_loss_equals_unpacked_loss(tokenizer):
 
 
 def _samples_of_lengths(lengths):
-    from moetune.recipe.formatting import Sample
-
     # input_ids [i, i, ...]: each sample is recognisable by its first token
     return [Sample(input_ids=[i] * n, labels=[i] * n) for i, n in enumerate(lengths)]
 
@@ -174,6 +172,42 @@ def test_batch_stream_rows_hold_each_sample_once_per_epoch(tokenizer, strategy):
     assert len(flat) == len(set(flat)) and set(flat) <= {id(s) for s in samples}
     # Only the last incomplete global batch may be dropped; with micro_batch_size 1 none is.
     assert len(flat) == len(samples)
+
+
+def _collate_reference(rows, *, pad_id, max_length, packed):
+    """collate's rules spelled out on lists: samples concatenated, no label on each first token,
+    positions restarting per sample and over the padding run, padding to the row width."""
+    width = max_length if packed else max(len(r[0].input_ids) for r in rows)
+    ids, labels, positions, real = [], [], [], []
+    for row in rows:
+        row_ids = [t for s in row for t in s.input_ids]
+        row_labels = [label for s in row for label in [IGNORE_INDEX, *s.labels[1:]]]
+        row_pos = [p for s in row for p in range(len(s.input_ids))]
+        pad = width - len(row_ids)
+        ids.append(row_ids + [pad_id] * pad)
+        labels.append(row_labels + [IGNORE_INDEX] * pad)
+        positions.append(row_pos + list(range(pad)))
+        real.append([1] * len(row_ids) + [0] * pad)
+    return torch.tensor(ids), torch.tensor(labels), torch.tensor(positions), torch.tensor(real)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_collate_matches_the_rules_on_lists(packed):
+    import random
+
+    rng = random.Random(1)
+    samples = [Sample(input_ids=[rng.randint(0, 300) for _ in range(n)],
+                      labels=[rng.choice([IGNORE_INDEX, rng.randint(0, 300)]) for _ in range(n)])
+               for n in (rng.randint(1, 40) for _ in range(60))]  # fmt: skip
+    rows = pack(samples, max_length=64) if packed else [[s] for s in samples]
+    for i in range(0, len(rows) - 2, 3):
+        batch = collate(rows[i:i + 3], pad_id=7, max_length=64, packed=packed)
+        ids, labels, positions, real = _collate_reference(rows[i:i + 3], pad_id=7, max_length=64, packed=packed)
+        assert torch.equal(batch.input_ids_BT, ids) and torch.equal(batch.labels_BT, labels)
+        assert torch.equal(batch.position_ids_BT, positions) and torch.equal(batch.real_BT, real.bool())
+        assert batch.attention_mask_BT is None if packed else torch.equal(batch.attention_mask_BT, real)
+        assert batch.input_ids_BT.dtype == batch.labels_BT.dtype == torch.int64
+        assert batch.num_tokens == int(real.sum()) and batch.num_label_tokens == int((labels != IGNORE_INDEX).sum())
 
 
 def test_batch_stream_is_deterministic_and_resumable(tokenizer):
