@@ -28,8 +28,7 @@ def sum_of_squares_reference(tensors: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor fp32 norms (``torch._foreach_norm``, no fp32 copies), squared and summed."""
     if not tensors:
         return torch.zeros((), dtype=torch.float32)
-    norms = torch.stack([n.float() for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)])
-    return norms.square().sum()
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square().sum()
 
 
 if HAS_TRITON:
@@ -59,8 +58,9 @@ def sum_of_squares(tensors: list[torch.Tensor], *, impl: Impl = "auto") -> torch
         return torch.zeros((), dtype=torch.float32)
     if not use_triton(impl, *tensors):
         return sum_of_squares_reference(tensors)
-    large = [t for t in tensors if t.numel() >= LARGE or impl == "triton"]
-    small = [t for t in tensors if not (t.numel() >= LARGE or impl == "triton")]
+    threshold = 0 if impl == "triton" else LARGE  # impl="triton": every tensor through the kernel
+    large = [t for t in tensors if t.numel() >= threshold]
+    small = [t for t in tensors if t.numel() < threshold]
     device = tensors[0].device
     counts = [_programs(t.numel(), device) for t in large]
     partials = torch.empty(sum(counts), dtype=torch.float32, device=device)

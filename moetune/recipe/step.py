@@ -90,7 +90,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_b
             loss, lm_loss = micro_batch_loss(
                 model, batch.model_inputs(runtime.device, document_offsets=document_offsets), num_items=items_per_rank,
                 aux_coef=aux_coef, num_micro_batches=len(micro_batches), autocast=autocast, expert_load=expert_load,
-                real_T=batch.real_BT.flatten().to(runtime.device, non_blocking=True))  # fmt: skip
+                real_T=batch.real_BT.flatten())  # fmt: skip
             loss.backward()
         loss_sum += lm_loss
     grad_norm = clip_grad_norm(model, max_norm=grad_clip, optimizer=optimizer)
