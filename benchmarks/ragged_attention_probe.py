@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +79,7 @@ class CudnnRagged(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, cum_q, cum_k, seed, offset = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, seed, offset, torch.empty(0, device=q.device, dtype=q.dtype),
+            grad_out.contiguous(), q, k, v, out, lse, seed, offset, None,
             cum_q, cum_k, ctx.max_q, ctx.max_k, 0.0, True, scale=ctx.scale)
         return dq, dk, dv, None, None, None
 
@@ -152,6 +153,13 @@ def main() -> None:
         variants = {"cudnn_ragged": cudnn_ragged}
         if dqk == dv:
             variants["flash_varlen"] = flash_varlen
+        try:  # what the forward op returns for packed rows (shapes), apart from any backward error
+            outs = torch.ops.aten._cudnn_attention_forward(q.detach(), k.detach(), v.detach(), None,
+                                                           offsets_of(lengths, None, "cuda"), offsets_of(lengths, None, "cuda"),
+                                                           max_length, max_length, True, 0.0, True, False, scale=scale)
+            row["cudnn_forward_returns"] = [list(t.shape) if isinstance(t, torch.Tensor) else t for t in outs]
+        except Exception as error:  # noqa: BLE001
+            row["cudnn_forward_error"] = f"{type(error).__name__}: {str(error)[:300]}"
         for label, fn in variants.items():
             for pad in (None, len(lengths) + 1 + 16):
                 key = f"{label}{'_padded' if pad else ''}"
@@ -167,6 +175,7 @@ def main() -> None:
                         row[key + tag + "_tflops"] = round(flops / us / 1e6, 1)
                 except Exception as error:  # noqa: BLE001 - a probe reports what each kernel does
                     row[key + "_error"] = f"{type(error).__name__}: {str(error)[:300]}"
+                    row[key + "_where"] = traceback.format_exc()[-700:]
         # dense causal on unpacked rows (no document boundaries), both SDPA backends
         qb, kb, vb = (t.detach().view(args.rows, args.seq_len, t.shape[1], t.shape[2]).transpose(1, 2).requires_grad_()
                       for t in (q, k, v))
