@@ -26,10 +26,10 @@ from torch import nn
 _ROUTER_NAMES = ("gate", "router")
 
 
-def training_flops_per_token(model_or_config: nn.Module | Any, *, seq_len: int) -> float:
+def training_flops_per_token(model_or_config: nn.Module | Any, *, seq_len: int, frozen_weights: bool = False) -> float:
     """Forward + backward FLOPs per token at sequence length ``seq_len`` (a config is built on the
-    meta device first: no memory)."""
-    return FlopsCounter(model_or_config).per_token(seq_len)
+    meta device first: no memory). ``frozen_weights``: LoRA's count, see ``FlopsCounter.per_token``."""
+    return FlopsCounter(model_or_config).per_token(seq_len, frozen_weights=frozen_weights)
 
 
 class FlopsCounter:
@@ -55,9 +55,12 @@ class FlopsCounter:
             if _is_ssm_mixer(module):  # counted as forward (x 3 below), so 7 / 3 of d_inner x state
                 self.weights_forward += 7 / 3 * module.intermediate_size * module.ssm_state_size
 
-    def per_token(self, seq_len: int) -> float:
+    def per_token(self, seq_len: int, *, frozen_weights: bool = False) -> float:
+        """``frozen_weights``: the count for LoRA fine-tuning, where the weights get no gradient: the
+        weights' forward and input gradient (2 x forward) and attention's forward and backward (3 x);
+        the adapters' own FLOPs (rank / width of a weight's) are left out."""
         attention = sum(per_key * _keys_seen(window, seq_len) for window, per_key in self.attention_per_key.items())
-        return 3.0 * (self.weights_forward + attention)
+        return (2.0 if frozen_weights else 3.0) * self.weights_forward + 3.0 * attention
 
     def of_documents(self, lengths: list[int]) -> float:
         """Training FLOPs of packed documents whose tokens attend only within their own document

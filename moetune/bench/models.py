@@ -250,7 +250,9 @@ def build_hf(
     world_size: int = 1,
     experts_implementation: str | None = None,
     round_to: torch.dtype | None = None,
+    lora: Any = None,
 ) -> BenchModel:
+    """``lora``: a ``LoraSettings`` for PEFT's adapters (``moetune.bench.lora``), one process only."""
     config = copy.deepcopy(config)
     requested = experts_implementation or hf_experts_implementation(device, dtype)
     config._experts_implementation = requested
@@ -263,6 +265,12 @@ def build_hf(
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "requested_experts_implementation": requested,
     }
+    if lora is not None:
+        from moetune.bench.lora import adapt_transformers
+
+        _require_one_process(world_size)
+        model, lora_notes = adapt_transformers(model, lora, seed=seed)
+        notes.update(lora_notes)
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -303,8 +311,10 @@ def build_moetune(
     options: dict[str, Any] | None = None,
     rebalance_seq_len: int | None = None,
     compile_layers: bool = False,
+    lora: Any = None,
 ) -> BenchModel:
     """``options``: extra ``MoetuneOptions`` for ``from_config`` (e.g. ``ep_capacity_factor``).
+    ``lora``: a ``LoraSettings`` for moetune's adapters (``moetune.bench.lora``), one process only.
     ``compile_layers``: ``torch.compile`` each decoder layer (inductor; under expert parallelism the
     experts run eagerly inside).
     ``rebalance_seq_len``: relabel the experts so that the expert-parallel ranks get balanced loads
@@ -338,6 +348,11 @@ def build_moetune(
         notes["expert_placement"] = _rebalance(model, config, device=device, seed=seed, seq_len=rebalance_seq_len,
                                                num_ranks=options.get("ep_size", world_size))  # fmt: skip
         set_moe_options(model, balanced_gate=balanced_gate)
+    if lora is not None:
+        from moetune.bench.lora import adapt_moetune
+
+        _require_one_process(world_size)
+        notes.update(adapt_moetune(model, lora, seed=seed))
     if compile_layers:
         from moetune.distributed.parallelize import decoder_layers
 
@@ -390,6 +405,12 @@ def build_side(side: str, config: transformers.PretrainedConfig, **kwargs: Any) 
     if side == "moetune":
         return build_moetune(config, **kwargs)
     raise ValueError(f"unknown side {side!r} (expected one of {SIDES})")
+
+
+def _require_one_process(world_size: int) -> None:
+    if world_size > 1:
+        raise SideUnavailable("--lora-rank runs in one process: under expert parallelism apply_lora goes between "
+                              "expert parallelism and FSDP2, which from_config(ep_size=...) does in one call")
 
 
 def _require_expert_parallelism() -> None:

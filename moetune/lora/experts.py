@@ -10,13 +10,19 @@ itself (`experts.lora_A_gate_up_proj`); on an expert-parallel module (weights ar
 sharded on the expert dim) they are sharded the same way, so each rank holds the adapters of its
 own experts and the delta is computed locally.
 
-How the delta gets in without touching the experts' forward: the module's class is swapped for a
-subclass with a property per adapted weight, the mechanism of `torch.nn.utils.parametrize`, but
-the Parameter stays in `_parameters` under its own name, so `state_dict()` keys, FSDP2 (which
-swaps `_parameters` entries) and `named_parameters()` are those of the plain model. The property
-adds the delta only while the module's own forward runs (the subclass's forward sets a flag);
-anywhere else it is the plain Parameter. Cost: the adapted weight is materialised once per
-forward (and kept for backward), like PEFT's ParamWrapper.
+moetune's own experts (`GroupedExperts`) apply the adapters to the activations: the module's class
+is swapped for a subclass whose `lora_adapters()` hands them to the experts' GEMMs, which add
+s * (x A_e^T) B_e^T per expert group (two thin grouped GEMMs). The adapted weight is never formed,
+and the frozen W gets no weight gradient: the full-size weight-gradient GEMM, a third of the
+experts' FLOPs, is skipped.
+
+Any other experts module (Transformers' own, on fallback models) gets the delta folded into the
+weight without touching its forward: the subclass has a property per adapted weight, the mechanism
+of `torch.nn.utils.parametrize`, but the Parameter stays in `_parameters` under its own name, so
+`state_dict()` keys, FSDP2 (which swaps `_parameters` entries) and `named_parameters()` are those
+of the plain model. The property adds the delta only while the module's own forward runs (the
+subclass's forward sets a flag); anywhere else it is the plain Parameter. Cost: the adapted weight
+is materialised once per forward (and kept for backward), like PEFT's ParamWrapper.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moetune.lora.init import fold_delta, reset_adapter_
+from moetune.moe.experts import ExpertAdapter
 
 _SCALING = "lora_scaling"
 _TARGETS = "_moetune_lora_targets"
@@ -149,14 +156,28 @@ def _adapted_weight(module: nn.Module, name: str) -> torch.Tensor:
     return torch.baddbmm(weight, lora_B_EOR, lora_A_ERI, alpha=scaling)
 
 
+def _lora_adapters(module: nn.Module) -> tuple[ExpertAdapter | None, ...]:
+    """What ``GroupedExperts.lora_adapters`` returns for an adapted module: per projection, its adapter."""
+    scaling = getattr(module, _SCALING)
+    return tuple(
+        ExpertAdapter(module._parameters[lora_a_name(name)], module._parameters[lora_b_name(name)], scaling)
+        if name in adapted_params(module) else None
+        for name in module.weight_names
+    )  # fmt: skip
+
+
 # Cached so every adapted module of one class shares one subclass (one torch.compile guard, not one per layer).
 @functools.cache
 def _lora_class(base: type[nn.Module], param_names: tuple[str, ...]) -> type[nn.Module]:
-    namespace: dict[str, object] = {
+    namespace: dict[str, object] = {_IS_LORA_CLASS: True}
+    if hasattr(base, "lora_adapters"):
+        # moetune's experts take the adapters themselves (on the activations); the weights stay plain.
+        namespace["lora_adapters"] = _lora_adapters
+        return type(f"Lora{base.__name__}", (base,), namespace)
+    namespace.update({
         name: property(functools.partial(_adapted_weight, name=name), doc=f"{name} with its LoRA delta")
         for name in param_names
-    }
-    namespace[_IS_LORA_CLASS] = True
+    })  # fmt: skip
 
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         previous = self.__dict__.get(_IN_FORWARD, False)

@@ -10,6 +10,8 @@ held by this module.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +31,16 @@ EXPERTS_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
 """``auto``: torch's grouped GEMM on CUDA bf16 (fp32 weights under CUDA bf16 autocast included), the
 per-expert loop elsewhere; ``triton``: moetune's
 Triton row GEMMs (the dispatch gather fused into the first one) with torch's weight-gradient GEMM."""
+
+
+class ExpertAdapter(NamedTuple):
+    """A LoRA adapter per expert on one of the experts' weights W [E, O, I] (``moetune.lora``):
+    the experts compute ``rows @ W_e^T + scaling * (rows @ A_e^T) @ B_e^T``, the low-rank path on the
+    activations, so W_e + scaling * B_e @ A_e is never formed and a frozen W gets no weight gradient."""
+
+    a_ERI: torch.Tensor
+    b_EOR: torch.Tensor
+    scaling: float
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
@@ -102,6 +114,16 @@ class GroupedExperts(nn.Module):
     def in_proj(self) -> torch.Tensor:
         return getattr(self, self._in_name)
 
+    @property
+    def weight_names(self) -> tuple[str, str]:
+        """The first and the second projection's parameter names."""
+        return self._in_name, "down_proj"
+
+    def lora_adapters(self) -> tuple[ExpertAdapter | None, ExpertAdapter | None]:
+        """The LoRA adapters on the two projections, applied to the activations by the experts'
+        GEMMs. None here; ``moetune.lora`` gives an adapted module's class its own."""
+        return None, None
+
     def forward(
         self,
         x: torch.Tensor,
@@ -127,9 +149,14 @@ class GroupedExperts(nn.Module):
         biases = {}
         if self.has_bias:
             biases = {"in_bias": _local(getattr(self, f"{self._in_name}_bias")), "down_bias": _local(self.down_proj_bias)}
+        in_adapter, down_adapter = (
+            None if adapter is None else ExpertAdapter(_local(adapter.a_ERI), _local(adapter.b_EOR), adapter.scaling)
+            for adapter in self.lora_adapters()
+        )
         return run_experts(
             x, tokens_per_expert_E, in_proj, down_proj, activate=self._activate, backend=self.backend,
-            gather_order=gather_order, gather_top_k=gather_top_k, **biases,
+            gather_order=gather_order, gather_top_k=gather_top_k, in_adapter=in_adapter, down_adapter=down_adapter,
+            **biases,
         )  # fmt: skip
 
     def _activate(self, h_NX: torch.Tensor, num_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -171,9 +198,12 @@ def run_experts(
     down_bias: torch.Tensor | None = None,
     gather_order: torch.Tensor | None = None,
     gather_top_k: int = 1,
+    in_adapter: ExpertAdapter | None = None,
+    down_adapter: ExpertAdapter | None = None,
 ) -> torch.Tensor:
     """down_e(activate(in_e(rows))) for rows sorted by expert e; weights [E, out, in] (nn.Linear layout),
-    optional biases [E, out].
+    optional biases [E, out], optional LoRA adapters on either weight (``ExpertAdapter``, computed in
+    the weights' dtype).
 
     The rows are ``x`` [N, H] itself, or with ``gather_order`` (N = T * K entries, a permutation of the
     routed slots) ``x[gather_order // gather_top_k]`` for ``x`` [T, H]: the experts gather their input
@@ -194,6 +224,8 @@ def run_experts(
         # the experts neither loop over experts nor read the split sizes on the host.
         x, in_proj, down_proj = x.to(compute_dtype), in_proj.to(compute_dtype), down_proj.to(compute_dtype)
         in_bias, down_bias = (None if b is None else b.to(compute_dtype) for b in (in_bias, down_bias))
+    # fp32 adapters (PEFT's default) under bf16 weights run in bf16: casting the small adapters, not the rows.
+    in_adapter, down_adapter = (None if a is None else _cast_adapter(a, in_proj.dtype) for a in (in_adapter, down_adapter))
     if backend in ("grouped_mm", "triton") or (backend == "auto" and grouped_mm_supported(x)):
         # No host sync: the group boundaries stay on the device.
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
@@ -203,6 +235,8 @@ def run_experts(
             h_NX = GatheredGroupedMM.apply(x, w_EHX, gather_order, offsets_E, gather_top_k, "auto", rows_backend)
         else:
             h_NX = _grouped_mm(x, w_EHX, offs=offsets_E)
+        if in_adapter is not None:
+            h_NX = h_NX + _grouped_low_rank(x, in_adapter, offsets_E, gather_order, gather_top_k)
         expert_N = None
         if in_bias is not None or down_bias is not None:
             rows = torch.arange(h_NX.shape[0], device=x.device, dtype=torch.int32)
@@ -213,18 +247,23 @@ def run_experts(
             y_NH = GatheredGroupedMM.apply(a_NI, down_proj.transpose(-2, -1), None, offsets_E, 1, "auto", "triton")
         else:
             y_NH = _grouped_mm(a_NI, down_proj.transpose(-2, -1), offs=offsets_E)
+        if down_adapter is not None:
+            y_NH = y_NH + _grouped_low_rank(a_NI, down_adapter, offsets_E, None, 1)
         return y_NH if down_bias is None else add_expert_bias(y_NH, down_bias, expert_N, offsets_E)
     if gather_order is not None:
         num_valid = tokens_per_expert_E.sum().reshape(1)
         x = moe_permute(x, gather_order, gather_top_k, num_valid=num_valid)
     # One host sync for the split sizes; used on CPU and as the reference path.
     counts = tokens_per_expert_E.tolist()
+
+    def linear(rows, weight, bias, adapter, expert):
+        out = F.linear(rows, weight[expert], None if bias is None else bias[expert])
+        if adapter is not None:
+            out = out + adapter.scaling * F.linear(F.linear(rows, adapter.a_ERI[expert]), adapter.b_EOR[expert])
+        return out
+
     outputs = [
-        F.linear(
-            activate(F.linear(rows_NH, in_proj[expert], None if in_bias is None else in_bias[expert])),
-            down_proj[expert],
-            None if down_bias is None else down_bias[expert],
-        )
+        linear(activate(linear(rows_NH, in_proj, in_bias, in_adapter, expert)), down_proj, down_bias, down_adapter, expert)
         for expert, rows_NH in enumerate(torch.split(x[: sum(counts)], counts))
         if rows_NH.shape[0] > 0
     ]
@@ -234,9 +273,31 @@ def run_experts(
         # graph, so every rank's backward has the same shape: FSDP2's post-backward hook on the input
         # fires and the all-to-all that delivered the rows runs its backward, as on the other ranks.
         zeros = padding_NH.new_zeros(padding_NH.shape[0], down_proj.shape[1])
-        weights = [t for t in (in_proj, down_proj, in_bias, down_bias) if t is not None]
+        adapters = [t for a in (in_adapter, down_adapter) if a is not None for t in (a.a_ERI, a.b_EOR)]
+        weights = [t for t in (in_proj, down_proj, in_bias, down_bias, *adapters) if t is not None]
         outputs.append(zeros + 0 * (sum(t.sum() for t in weights) + padding_NH.sum()))
     return torch.cat(outputs)
+
+
+def _cast_adapter(adapter: ExpertAdapter, dtype: torch.dtype) -> ExpertAdapter:
+    return ExpertAdapter(adapter.a_ERI.to(dtype), adapter.b_EOR.to(dtype), adapter.scaling)
+
+
+def _grouped_low_rank(x, adapter: ExpertAdapter, offsets_E, gather_order, gather_top_k: int) -> torch.Tensor:
+    """scaling * (rows @ A_e^T) @ B_e^T per expert group, rows as in ``run_experts`` (gathered from
+    ``x`` with ``gather_order``); [N, O], padding rows undefined as in the grouped GEMMs.
+
+    Two thin grouped GEMMs (rank R columns), each ~R/O of the base GEMM's FLOPs. torch's grouped GEMM
+    needs 16-byte aligned rows, so the rank is zero-padded to a multiple of 8 (exact)."""
+    a_ERI, b_EOR = adapter.a_ERI, adapter.b_EOR * adapter.scaling
+    rank = a_ERI.shape[1]
+    if rank % 8:
+        pad = 8 - rank % 8
+        a_ERI, b_EOR = F.pad(a_ERI, (0, 0, 0, pad)), F.pad(b_EOR, (0, pad))
+    # GatheredGroupedMM gathers the rows itself and keeps only x for the backward (where it gathers
+    # them again for dA): one more memory-bound gather, no second [N, H] copy of the rows kept alive.
+    u_NR = GatheredGroupedMM.apply(x, a_ERI.transpose(-2, -1), gather_order, offsets_E, gather_top_k)
+    return _grouped_mm(u_NR, b_EOR.transpose(-2, -1), offs=offsets_E)
 
 
 def _check_gather(x_TH: torch.Tensor, gather_order: torch.Tensor, top_k: int) -> None:

@@ -117,3 +117,42 @@ def test_bench_runs_every_moetune_family(tmp_path, family):
         hf, ours = rows[("hf", routing)], rows[("moetune", routing)]
         assert hf["error"] is None and ours["error"] is None, routing
         assert abs(hf["losses"][0] - ours["losses"][0]) < 0.05, routing
+
+
+def test_lora_bench_gives_both_sides_the_same_adapters(tmp_path):
+    """``--lora-rank``: PEFT on Transformers' side, moetune.lora on moetune's, the same trainable
+    parameters and adapter values (equal first losses, which the non-zero adapters change), and the
+    FLOPs of a frozen-weight step."""
+    from moetune.bench.models import load_config
+    from moetune.flops import training_flops_per_token
+
+    code = main(["--config", "tiny", "--layers", "2", "--seq-len", "32", "--steps", "2", "--warmup", "1",
+                 "--device", "cpu", "--routing", "real", "--lora-rank", "4", "--out", str(tmp_path), "--no-chart"])
+    assert code == 0
+    [path] = tmp_path.glob("tiny-2l_cpu_*.json")
+    data = json.loads(path.read_text())
+    assert data["config"]["lora"]["rank"] == 4 and data["config"]["lora"]["alpha"] == 8.0
+    built = data["built"]
+    assert built["hf"]["lora"].startswith("peft") and built["moetune"]["lora"].startswith("moetune.lora")
+    assert built["hf"]["trainable_parameters"] == built["moetune"]["trainable_parameters"] > 0
+    losses = {r["side"]: r["losses"] for r in data["rows"]}
+    assert abs(losses["hf"][0] - losses["moetune"][0]) < 0.02
+    _, config = load_config("tiny", layers=2)
+    full = training_flops_per_token(config, seq_len=32)
+    assert full * 2 / 3 < data["flops_per_token"] < full
+
+    # Without the adapters' values the first loss would be the base model's.
+    base = main(["--config", "tiny", "--layers", "2", "--seq-len", "32", "--steps", "1", "--warmup", "0",
+                 "--device", "cpu", "--routing", "real", "--sides", "moetune", "--out", str(tmp_path / "base"),
+                 "--no-chart"])
+    assert base == 0
+    [base_path] = (tmp_path / "base").glob("*.json")
+    base_loss = json.loads(base_path.read_text())["rows"][0]["losses"][0]
+    assert abs(base_loss - losses["moetune"][0]) > 1e-4
+
+
+def test_lora_bench_refuses_what_it_cannot_run(tmp_path):
+    with pytest.raises(SystemExit, match="lora-rank must be >= 0"):
+        main(["--config", "tiny", "--device", "cpu", "--lora-rank", "-1"])
+    with pytest.raises(SystemExit, match="one process"):
+        main(["--config", "tiny", "--device", "cpu", "--lora-rank", "4", "--probe-max-seq"])

@@ -1,0 +1,73 @@
+"""LoRA on both sides of the benchmark (``moetune bench --lora-rank R``): PEFT's adapters on the plain
+Transformers model against moetune's (``moetune.lora``), on the same targets (``LoraSettings``'
+defaults: attention q/k/v/o and every expert's weights), rank, alpha and adapter values.
+
+The adapter values are drawn per moetune adapter name (seeded by the run's seed and the name, as
+``init_weights`` draws the base weights), non-zero on both A and B so that the adapters take part
+in the forward from the first step. PEFT gets exactly those values: moetune's ``apply_lora`` is
+applied to the Transformers model first (it adapts plain Transformers v5 MoE models too), its
+adapters are drawn and converted to PEFT's names and layouts (``peft_adapter_state_dict``, the
+export that ``PeftModel.from_pretrained`` loads in the tests), then removed, and PEFT's own
+adapters are created and loaded with them.
+
+One process only: under expert parallelism ``apply_lora`` must run between expert parallelism and
+FSDP2, which ``from_config(ep_size=...)`` does in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moetune.lora import LoraSettings, apply_lora, lora_parameters, remove_lora
+
+def lora_settings(rank: int, alpha: float | None) -> LoraSettings:
+    """The benchmark's adapters: ``LoraSettings``' default targets, alpha 2 x rank unless given."""
+    return LoraSettings(rank=rank, alpha=float(2 * rank if alpha is None else alpha))
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, *, seed: int) -> None:
+    """Each adapter tensor drawn from normal(0, 0.02) seeded by (seed, name), as the base weights are."""
+    from moetune.bench.models import _draw
+
+    for name, param in lora_parameters(model):
+        param.copy_(_draw(seed, name, param.shape, param.device).to(param.dtype))
+
+
+def adapt_moetune(model: nn.Module, settings: LoraSettings, *, seed: int) -> dict:
+    apply_lora(model, settings)
+    init_adapters(model, seed=seed)
+    return _notes(model, "moetune.lora.apply_lora (expert adapters applied to the activations)")
+
+
+def adapt_transformers(model: nn.Module, settings: LoraSettings, *, seed: int) -> tuple[nn.Module, dict]:
+    """The PEFT model around ``model`` with the benchmark's adapters; raises if PEFT is missing or
+    does not take every adapter."""
+    try:
+        from peft import get_peft_model, set_peft_model_state_dict
+    except ImportError as error:
+        raise RuntimeError("--lora-rank on the Transformers side needs the `peft` package (pip install peft)") from error
+    from moetune.lora.peft_export import _peft_lora_config, peft_adapter_state_dict
+
+    apply_lora(model, settings)
+    init_adapters(model, seed=seed)
+    config = _peft_lora_config(model, settings, None)
+    adapters = peft_adapter_state_dict(model)
+    remove_lora(model)
+    for param in model.parameters():  # remove_lora leaves every weight trainable; PEFT freezes the base itself
+        param.requires_grad_(False)
+    config.inference_mode = False
+    peft_model = get_peft_model(model, config)
+    result = set_peft_model_state_dict(peft_model, adapters)
+    unexpected = list(getattr(result, "unexpected_keys", []) or [])
+    if unexpected:
+        raise RuntimeError(f"PEFT did not take {len(unexpected)} adapter tensors, e.g. {unexpected[:3]}")
+    peft_model.train()
+    return peft_model, _notes(peft_model, "peft.get_peft_model (LoraConfig with target_modules and target_parameters)")
+
+
+def _notes(model: nn.Module, how: str) -> dict:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"lora": how, "trainable_parameters": trainable,
+            "frozen_parameters": sum(p.numel() for p in model.parameters() if not p.requires_grad)}  # fmt: skip
