@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lora-rank", type=int, default=0,
         help="LoRA fine-tuning instead of full: PEFT's adapters on Transformers' side, moetune.lora's on moetune's, "
-        "on attention q/k/v/o and every expert, this rank (one process; FLOPs count no weight gradients)",
+        "on the attention projections and every expert, this rank (one process; FLOPs count no weight gradients)",
     )
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
@@ -138,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         return _probe_child(args)
     if args.lora_rank < 0:
         raise SystemExit(f"--lora-rank must be >= 0 (0: full fine-tuning), got {args.lora_rank}")
-    if args.lora_rank and (args.probe_max_seq or args.moetune_cuda_graph or int(os.environ.get("WORLD_SIZE", "1")) > 1):
-        raise SystemExit("--lora-rank runs the eager step in one process: drop --probe-max-seq, "
-                         "--moetune-cuda-graph and torchrun")
+    if args.lora_rank and (args.probe_max_seq or int(os.environ.get("WORLD_SIZE", "1")) > 1):
+        raise SystemExit("--lora-rank runs in one process: drop --probe-max-seq and torchrun")
     if args.probe_max_seq:
         return _probe(args, sides)
     env = setup(args.device)
@@ -234,7 +233,7 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "moetune_rebalance_experts": args.moetune_rebalance_experts,
             "moetune_compile": args.moetune_compile,
             "moetune_options": _moetune_options(args),
-            "lora": _lora_record(args),
+            "lora": _lora_record(args, config),
         },
         "model_config": config.to_dict(),
         "flops_per_token": flops_per_token(config, seq_len=args.seq_len, frozen_weights=bool(args.lora_rank)),
@@ -242,21 +241,19 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
     }
 
 
-def _lora_record(args: argparse.Namespace) -> dict[str, Any] | None:
-    if not args.lora_rank:
+def _lora_record(args: argparse.Namespace, config) -> dict[str, Any] | None:
+    settings = _lora(args, config)
+    if settings is None:
         return None
-    from moetune.bench.lora import lora_settings
-
-    settings = lora_settings(args.lora_rank, args.lora_alpha)
     return {"rank": settings.rank, "alpha": settings.alpha, "target_modules": settings.target_modules,
             "target_experts": settings.target_experts, "adapter_dtype": settings.adapter_dtype,
             "flops": "forward + input gradients of the frozen weights (2x) + attention (3x); no weight gradients"}
 
 
-def _lora(args: argparse.Namespace):
+def _lora(args: argparse.Namespace, config):
     from moetune.bench.lora import lora_settings
 
-    return lora_settings(args.lora_rank, args.lora_alpha) if args.lora_rank else None
+    return lora_settings(args.lora_rank, args.lora_alpha, config) if args.lora_rank else None
 
 
 def _optimizer_name(device: torch.device) -> str:
@@ -357,7 +354,7 @@ def _bench_side(
             side, config, device=env.device, dtype=torch.bfloat16, seed=args.seed, world_size=env.world_size,
             balanced_gate=rows[0].routing == "balanced", options=_moetune_options(args),
             rebalance_seq_len=max(row.seq_len for row in rows) if args.moetune_rebalance_experts else None,
-            compile_layers=args.moetune_compile, lora=_lora(args),
+            compile_layers=args.moetune_compile, lora=_lora(args, config),
         )
     except Exception as error:  # noqa: BLE001 -- report the side as failed and keep the other one
         if env.distributed and not isinstance(error, SideUnavailable):

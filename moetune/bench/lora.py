@@ -1,6 +1,7 @@
 """LoRA on both sides of the benchmark (``moetune bench --lora-rank R``): PEFT's adapters on the plain
-Transformers model against moetune's (``moetune.lora``), on the same targets (``LoraSettings``'
-defaults: attention q/k/v/o and every expert's weights), rank, alpha and adapter values.
+Transformers model against moetune's (``moetune.lora``), on the same targets (the attention
+projections the family has: q/k/v/o, or DeepSeek-V3's latent ones; and every expert's weights),
+rank, alpha and adapter values.
 
 The adapter values are drawn per moetune adapter name (seeded by the run's seed and the name, as
 ``init_weights`` draws the base weights), non-zero on both A and B so that the adapters take part
@@ -21,9 +22,17 @@ from torch import nn
 
 from moetune.lora import LoraSettings, apply_lora, lora_parameters, remove_lora
 
-def lora_settings(rank: int, alpha: float | None) -> LoraSettings:
-    """The benchmark's adapters: ``LoraSettings``' default targets, alpha 2 x rank unless given."""
-    return LoraSettings(rank=rank, alpha=float(2 * rank if alpha is None else alpha))
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+
+
+def lora_settings(rank: int, alpha: float | None, config) -> LoraSettings:
+    """The benchmark's adapters: the attention projections among ``ATTENTION_PROJECTIONS`` that
+    ``config``'s model has, and the experts; alpha 2 x rank unless given."""
+    from moetune.flops import meta_model
+
+    present = {name.rpartition(".")[2] for name, module in meta_model(config).named_modules() if isinstance(module, nn.Linear)}
+    targets = [name for name in ATTENTION_PROJECTIONS if name in present]
+    return LoraSettings(rank=rank, alpha=float(2 * rank if alpha is None else alpha), target_modules=targets)
 
 
 @torch.no_grad()

@@ -156,3 +156,26 @@ def test_lora_bench_refuses_what_it_cannot_run(tmp_path):
         main(["--config", "tiny", "--device", "cpu", "--lora-rank", "-1"])
     with pytest.raises(SystemExit, match="one process"):
         main(["--config", "tiny", "--device", "cpu", "--lora-rank", "4", "--probe-max-seq"])
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "nemotron_h"])
+def test_lora_bench_runs_every_moetune_family(tmp_path, family):
+    """``--lora-rank`` on each family's attention projections (DeepSeek-V3's latent ones included) and
+    experts: the same trainable parameters and first loss on both sides."""
+    from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
+    from tests.test_gpt_oss_parity import tiny_gpt_oss_config
+    from tests.test_nemotron_h_parity import tiny_nemotron_h_config
+
+    config = {
+        "deepseek_v3": tiny_deepseek_v3_config, "gpt_oss": tiny_gpt_oss_config, "nemotron_h": tiny_nemotron_h_config,
+    }[family](vocab_size=512)  # fmt: skip
+    config.save_pretrained(tmp_path / family)
+    code = main(["--config", str(tmp_path / family), "--seq-len", "16", "--steps", "1", "--warmup", "1", "--device", "cpu",
+                 "--routing", "real", "--lora-rank", "4", "--out", str(tmp_path / "out"), "--no-chart"])  # fmt: skip
+    assert code == 0
+    [path] = (tmp_path / "out").glob("*.json")
+    data = json.loads(path.read_text())
+    assert data["config"]["lora"]["target_modules"]
+    assert data["built"]["hf"]["trainable_parameters"] == data["built"]["moetune"]["trainable_parameters"]
+    losses = {r["side"]: r["losses"][0] for r in data["rows"]}
+    assert abs(losses["hf"] - losses["moetune"]) < 0.02
