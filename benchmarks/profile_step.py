@@ -23,8 +23,11 @@ def build(side: str, args) -> tuple[torch.nn.Module, contextlib.AbstractContextM
     implementations), and the context that sets its routing."""
     from moetune.bench.models import build_side, load_config
 
+    from moetune.bench.lora import lora_settings
+
     _, config = load_config(args.config, layers=args.layers)
-    bench_model = build_side(side, config, device=torch.device("cuda"), seed=0)
+    lora = lora_settings(args.lora_rank, None, config) if args.lora_rank else None
+    bench_model = build_side(side, config, device=torch.device("cuda"), seed=0, lora=lora)
     return bench_model.model, bench_model.routing_context(args.routing == "balanced")
 
 
@@ -165,6 +168,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--routing", choices=["real", "balanced"], default="real")
     parser.add_argument("--sides", default="hf,moetune")
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA on both sides, as moetune bench --lora-rank")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--top", type=int, default=25)

@@ -88,9 +88,10 @@ def test_frozen_weights_get_no_gradient_and_the_property_stays_plain():
 def test_adapters_on_activations_in_bf16_on_cuda(kind, rank):
     """The CUDA grouped-GEMM path in bf16 (rank 4 zero-padded to 8) against the folded weight in fp32."""
     experts = adapted_experts(kind, "auto", rank, num_experts=8, hidden=256, width=128)
-    with torch.no_grad():  # pre-activations of a few units, away from the clamp of GPT-OSS's SwiGLU (at 7),
-        for name in experts.weight_names:  # where bf16 rounding would flip clamped units and their gradients
-            experts._parameters[name].mul_(0.2)
+    with torch.no_grad():  # pre-activations of about one unit, away from the clamp of GPT-OSS's SwiGLU (at 7),
+        for name, param in experts.named_parameters():  # where bf16 rounding flips clamped units and gradients
+            if not name.endswith("_bias"):
+                param.mul_(0.2 if name in experts.weight_names else 0.3)
     num_tokens, top_k = 96, 2
     order_N, counts_E = routed_slots(num_tokens, top_k, num_local=8, num_remote=2)
     num_valid = int(counts_E.sum())
