@@ -12,8 +12,11 @@
 # Results (JSON + PNG per run, and this log) go to $OUT (default benchmarks/results).
 # STAGES picks stages (default: versions parity rowA strict 16l rowD); the others:
 #   gputests  the GPU-marked tests of the CUDA-graph step, optimizer, loss kernel, kernels, gathered
-#             experts, document attention, the graphed recipe and the DeepSeek-V3 / GPT-OSS /
+#             experts, document attention, the graphed recipe, LoRA and the DeepSeek-V3 / GPT-OSS /
 #             Nemotron-H bf16 parity
+#   lora      LoRA fine-tuning (rank 16, attention projections + every expert): Transformers + PEFT
+#             against moetune.lora, moetune graphed; Qwen3 (8 layers, both routings), GPT-OSS-20B (6),
+#             Nemotron 3 Nano (8), Moonlight-16B-A3B (8)
 #   graph     row A with moetune's step replayed from CUDA graphs, updates during the backward
 #             (--moetune-cuda-graph --moetune-overlap-optimizer)
 #   graphtriton  moetune alone, graphed, with experts_backend=triton (Triton row GEMMs)
@@ -71,7 +74,16 @@ if stage gputests; then
   echo "== GPU tests"
   timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph_step.py tests/test_optim.py \
     tests/test_gpu_losses.py tests/test_deepseek_v3_parity.py tests/test_gpt_oss_parity.py tests/test_nemotron_h_parity.py \
-    tests/test_gathered_experts.py tests/test_document_attention.py tests/recipe/test_cuda_graph_recipe.py tests/test_mamba2_layers.py tests/kernels || status=1
+    tests/test_gathered_experts.py tests/test_document_attention.py tests/recipe/test_cuda_graph_recipe.py tests/test_mamba2_layers.py tests/kernels \
+    tests/lora || status=1
+fi
+
+if stage lora; then
+  echo "== LoRA, rank 16: Transformers + PEFT against moetune.lora (moetune's step graphed)"
+  bench 150 --layers 8 --seq-len 4096 --routing both --lora-rank 16 --moetune-cuda-graph
+  bench 150 --config gpt_oss_20b --layers 6 --seq-len 4096 --routing real --lora-rank 16 --moetune-cuda-graph
+  bench 150 --config nemotron_3_nano_30b_a3b --layers 8 --seq-len 4096 --routing real --lora-rank 16 --moetune-cuda-graph
+  bench 150 --config moonlight_16b_a3b --layers 8 --seq-len 4096 --routing real --lora-rank 16 --moetune-cuda-graph
 fi
 
 if stage nemotron; then

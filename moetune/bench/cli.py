@@ -98,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
         "on the attention projections and every expert, this rank (one process; FLOPs count no weight gradients)",
     )
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
+    p.add_argument(
+        "--moetune-lora", choices=("moetune", "peft"), default="moetune",
+        help="with --lora-rank, the moetune side's adapters: moetune.lora's (experts' adapters on the activations) "
+        "or PEFT's get_peft_model on moetune's model (user code unchanged but the import)",
+    )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
         "--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path"
@@ -247,6 +252,7 @@ def _lora_record(args: argparse.Namespace, config) -> dict[str, Any] | None:
         return None
     return {"rank": settings.rank, "alpha": settings.alpha, "target_modules": settings.target_modules,
             "target_experts": settings.target_experts, "adapter_dtype": settings.adapter_dtype,
+            "moetune_side": args.moetune_lora,
             "flops": "forward + input gradients of the frozen weights (2x) + attention (3x); no weight gradients"}
 
 
@@ -354,7 +360,7 @@ def _bench_side(
             side, config, device=env.device, dtype=torch.bfloat16, seed=args.seed, world_size=env.world_size,
             balanced_gate=rows[0].routing == "balanced", options=_moetune_options(args),
             rebalance_seq_len=max(row.seq_len for row in rows) if args.moetune_rebalance_experts else None,
-            compile_layers=args.moetune_compile, lora=_lora(args, config),
+            compile_layers=args.moetune_compile, lora=_lora(args, config), lora_with_peft=args.moetune_lora == "peft",
         )
     except Exception as error:  # noqa: BLE001 -- report the side as failed and keep the other one
         if env.distributed and not isinstance(error, SideUnavailable):

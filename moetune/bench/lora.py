@@ -11,6 +11,9 @@ adapters are drawn and converted to PEFT's names and layouts (``peft_adapter_sta
 export that ``PeftModel.from_pretrained`` loads in the tests), then removed, and PEFT's own
 adapters are created and loaded with them.
 
+``--moetune-lora peft`` gives moetune's model PEFT's adapters instead (user code that keeps calling
+``peft.get_peft_model`` after changing the import): PEFT folds the experts' deltas into the weights.
+
 One process only: under expert parallelism ``apply_lora`` must run between expert parallelism and
 FSDP2, which ``from_config(ep_size=...)`` does in one call.
 """
@@ -44,15 +47,16 @@ def init_adapters(model: nn.Module, *, seed: int) -> None:
         param.copy_(_draw(seed, name, param.shape, param.device).to(param.dtype))
 
 
-def adapt_moetune(model: nn.Module, settings: LoraSettings, *, seed: int) -> dict:
+def adapt_with_moetune_lora(model: nn.Module, settings: LoraSettings, *, seed: int) -> dict:
     apply_lora(model, settings)
     init_adapters(model, seed=seed)
     return _notes(model, "moetune.lora.apply_lora (expert adapters applied to the activations)")
 
 
-def adapt_transformers(model: nn.Module, settings: LoraSettings, *, seed: int) -> tuple[nn.Module, dict]:
-    """The PEFT model around ``model`` with the benchmark's adapters; raises if PEFT is missing or
-    does not take every adapter."""
+def adapt_with_peft(model: nn.Module, settings: LoraSettings, *, seed: int) -> tuple[nn.Module, dict]:
+    """The PEFT model around ``model`` (Transformers' or moetune's: user code that calls PEFT on the
+    drop-in model) with the benchmark's adapters; raises if PEFT is missing or does not take every
+    adapter."""
     try:
         from peft import get_peft_model, set_peft_model_state_dict
     except ImportError as error:

@@ -266,10 +266,10 @@ def build_hf(
         "requested_experts_implementation": requested,
     }
     if lora is not None:
-        from moetune.bench.lora import adapt_transformers
+        from moetune.bench.lora import adapt_with_peft
 
         _require_one_process(world_size)
-        model, lora_notes = adapt_transformers(model, lora, seed=seed)
+        model, lora_notes = adapt_with_peft(model, lora, seed=seed)
         notes.update(lora_notes)
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -312,9 +312,11 @@ def build_moetune(
     rebalance_seq_len: int | None = None,
     compile_layers: bool = False,
     lora: Any = None,
+    lora_with_peft: bool = False,
 ) -> BenchModel:
     """``options``: extra ``MoetuneOptions`` for ``from_config`` (e.g. ``ep_capacity_factor``).
-    ``lora``: a ``LoraSettings`` for moetune's adapters (``moetune.bench.lora``), one process only.
+    ``lora``: a ``LoraSettings`` for moetune's adapters (``moetune.bench.lora``; PEFT's with
+    ``lora_with_peft``), one process only.
     ``compile_layers``: ``torch.compile`` each decoder layer (inductor; under expert parallelism the
     experts run eagerly inside).
     ``rebalance_seq_len``: relabel the experts so that the expert-parallel ranks get balanced loads
@@ -349,17 +351,22 @@ def build_moetune(
                                                num_ranks=options.get("ep_size", world_size))  # fmt: skip
         set_moe_options(model, balanced_gate=balanced_gate)
     if lora is not None:
-        from moetune.bench.lora import adapt_moetune
+        from moetune.bench.lora import adapt_with_moetune_lora, adapt_with_peft
 
         _require_one_process(world_size)
-        notes.update(adapt_moetune(model, lora, seed=seed))
+        if lora_with_peft:
+            model, lora_notes = adapt_with_peft(model, lora, seed=seed)
+            notes.update(lora_notes)
+        else:
+            notes.update(adapt_with_moetune_lora(model, lora, seed=seed))
     if compile_layers:
         from moetune.distributed.parallelize import decoder_layers
 
         for layer in decoder_layers(model):
             layer.compile()
         notes["compiled"] = "each decoder layer (torch.compile, inductor)"
-    notes["class"] = f"{type(model).__module__}.{type(model).__name__}"
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT's wrapper
+    notes["class"] = f"{type(base).__module__}.{type(base).__name__}"
     notes["experts_backend"] = _moetune_experts_backend(model, device, dtype)
     model.train()
 
@@ -401,6 +408,7 @@ def build_side(side: str, config: transformers.PretrainedConfig, **kwargs: Any) 
         kwargs.pop("options", None)
         kwargs.pop("rebalance_seq_len", None)
         kwargs.pop("compile_layers", None)
+        kwargs.pop("lora_with_peft", None)
         return build_hf(config, **kwargs)
     if side == "moetune":
         return build_moetune(config, **kwargs)

@@ -151,6 +151,22 @@ def test_lora_bench_gives_both_sides_the_same_adapters(tmp_path):
     assert abs(base_loss - losses["moetune"][0]) > 1e-4
 
 
+def test_lora_bench_with_peft_on_the_moetune_side(tmp_path):
+    """``--moetune-lora peft``: PEFT's get_peft_model on moetune's model, the same adapters as Transformers'."""
+    code = main(["--config", "tiny", "--layers", "2", "--seq-len", "32", "--steps", "1", "--warmup", "1",
+                 "--device", "cpu", "--routing", "real", "--lora-rank", "4", "--moetune-lora", "peft",
+                 "--out", str(tmp_path), "--no-chart"])  # fmt: skip
+    assert code == 0
+    [path] = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    assert data["config"]["lora"]["moetune_side"] == "peft"
+    built = data["built"]
+    assert built["moetune"]["lora"].startswith("peft") and built["moetune"]["class"].startswith("moetune.")
+    assert built["hf"]["trainable_parameters"] == built["moetune"]["trainable_parameters"]
+    losses = {r["side"]: r["losses"][0] for r in data["rows"]}
+    assert abs(losses["hf"] - losses["moetune"]) < 0.02
+
+
 def test_lora_bench_refuses_what_it_cannot_run(tmp_path):
     with pytest.raises(SystemExit, match="lora-rank must be >= 0"):
         main(["--config", "tiny", "--device", "cpu", "--lora-rank", "-1"])

@@ -174,3 +174,29 @@ def test_load_rejects_partial_expert_targets(tmp_path):
     with pytest.raises(ValueError, match="target_parameters"):
         load_peft_adapter(model, tmp_path / "adapter")
     assert lora_state_dict(model) == {}
+
+
+def test_peft_on_the_moetune_model_trains_as_on_transformers(tmp_path, tokens):
+    """User code that keeps calling ``peft.get_peft_model`` after changing the import: PEFT's adapters
+    (its ParamWrapper on the experts' weights) on moetune's model give Transformers + PEFT's loss
+    and adapter gradients, fp32."""
+    from moetune import AutoModelForCausalLM
+
+    build_moetune_model(tiny_qwen3_moe_config()).save_pretrained(tmp_path / "base")
+    config = dict(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.0,
+                  target_parameters=["experts.gate_up_proj", "experts.down_proj"])  # fmt: skip
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    assert type(ours).__module__.startswith("moetune.")
+    torch.manual_seed(1)
+    expected_model = peft.get_peft_model(plain, peft.LoraConfig(**config))
+    model = peft.get_peft_model(ours, peft.LoraConfig(**config))
+    model.load_state_dict(expected_model.state_dict())
+    losses = [m(input_ids=tokens, labels=tokens).loss for m in (model, expected_model)]
+    assert rel_err(losses[0], losses[1]) < 1e-5
+    for loss in losses:
+        loss.backward()
+    grads = [{n: p.grad for n, p in m.named_parameters() if p.requires_grad} for m in (model, expected_model)]
+    assert grads[0].keys() == grads[1].keys() and any(".experts." in n for n in grads[0])
+    for name in grads[1]:
+        assert rel_err(grads[0][name], grads[1][name]) < 1e-5, name
