@@ -70,8 +70,8 @@ def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) 
     if args.ep > 1:
         overrides.update({"distributed.ep_size": args.ep, "distributed.ep_dispatch": "allgather",
                           "distributed.dense_parallel": "replicate"})
-    if name.endswith("graph"):
-        overrides["training.cuda_graph"] = "true"
+    # explicit both ways: the default "auto" graphs LoRA runs
+    overrides["training.cuda_graph"] = "true" if name.endswith("graph") else "false"
     overrides.update(dict(item.split("=", 1) for item in args.override))
     command = [sys.executable, "-m", "moetune.cli", "finetune"]
     if args.nproc > 1:

@@ -20,6 +20,9 @@ PRECISIONS = ("auto", "fp32", "bf16_autocast", "bf16")
 PARALLELISMS = ("fsdp", "ddp")
 PACKING_STRATEGIES = ("best_fit", "in_order")
 ON_BAD_ROW = ("skip", "fail")
+CUDA_GRAPH_SETTINGS = ("true", "false", "auto")
+_CUDA_GRAPH_SPELLINGS = {"true": "true", "yes": "true", "on": "true", "1": "true",
+                         "false": "false", "no": "false", "off": "false", "0": "false", "auto": "auto"}
 
 
 @dataclass
@@ -119,15 +122,17 @@ class TrainingConfig:
     """CPU threads for torch's intra-op parallelism (0: torch's default, one per core). 1 by
     default: the default job's small matrices gain little from more, and on a CPU shared with
     other work, threads that wait for each other can make a step ten times slower."""
-    cuda_graph: bool = False
-    """Replay each step from CUDA graphs (moetune.training.CUDAGraphTrainStep): on a GPU the host no
-    longer launches every kernel of the step, which an MoE step otherwise waits for (1.04x the eager
-    recipe's tokens/s on one H200, Qwen3 shapes, 8 layers; 1.15x with expert parallelism on two,
-    measured before the eager step stopped waiting for the forward; recipe README). Needs packed rows
-    (data.packing), an architecture whose layers take the documents' offsets (moetune's four:
-    Qwen3-MoE, DeepSeek-V3, GPT-OSS, Nemotron-H), and with several processes expert parallelism with ep_dispatch "allgather" and
-    dense_parallel "replicate". The first two steps run eagerly; off CUDA every step does. Measured
-    with training.precision "bf16"; "bf16_autocast" trains as the eager step on an H200 (GPU test)."""
+    cuda_graph: str = "auto"
+    """"true": replay each step from CUDA graphs (moetune.training.CUDAGraphTrainStep): on a GPU the
+    host no longer launches every kernel of the step, which an MoE step otherwise waits for. "auto"
+    (the default): graphs for LoRA fine-tuning in one CUDA process with packed rows on moetune's
+    architectures, where the eager step waits for the host most (1.86x the eager recipe's tokens/s
+    on one H200, Qwen3 shapes, 8 layers; full fine-tuning gains 1.04x there and stays eager);
+    "false": never. Needs packed rows (data.packing), an architecture whose layers take the
+    documents' offsets (moetune's four: Qwen3-MoE, DeepSeek-V3, GPT-OSS, Nemotron-H), and with several
+    processes expert parallelism with ep_dispatch "allgather" and dense_parallel "replicate". The
+    first two steps run eagerly; off CUDA every step does. Measured with training.precision "bf16";
+    "bf16_autocast" trains as the eager step on an H200 (GPU test)."""
     val_every: int = 250
     """Validation loss every this many steps (0: only at the end)."""
     output_dir: str = "outputs/default"
@@ -278,9 +283,13 @@ def validate(config: JobConfig) -> JobConfig:
           "distributed.ep_dispatch 'allgather' leave it at 1")
     check(config.distributed.reduce_dtype in ("float32", "bfloat16"), "distributed.reduce_dtype",
           f"{config.distributed.reduce_dtype!r} is not one of ('float32', 'bfloat16')")
-    check(not config.training.cuda_graph or config.data.packing, "training.cuda_graph",
+    check(str(config.training.cuda_graph).lower() in _CUDA_GRAPH_SPELLINGS, "training.cuda_graph",
+          f"{config.training.cuda_graph!r} is not one of {CUDA_GRAPH_SETTINGS}")
+    config.training.cuda_graph = _CUDA_GRAPH_SPELLINGS[str(config.training.cuda_graph).lower()]
+    graphs = config.training.cuda_graph == "true"
+    check(not graphs or config.data.packing, "training.cuda_graph",
           "needs data.packing (every captured step takes one fixed batch shape)")
-    check(not config.training.cuda_graph or config.distributed.ep_overlap_chunks == 1, "training.cuda_graph",
+    check(not graphs or config.distributed.ep_overlap_chunks == 1, "training.cuda_graph",
           "the chunked all-to-all dispatcher cannot be captured; leave distributed.ep_overlap_chunks at 1")
     check(config.data.packing_strategy in PACKING_STRATEGIES, "data.packing_strategy",
           f"{config.data.packing_strategy!r} is not one of {PACKING_STRATEGIES}")

@@ -117,6 +117,8 @@ class Job:
     num_offsets: int | None = None
     """Packed rows into a model whose attention takes document offsets: how many offsets a
     micro-batch's padded offsets hold (the fixed shape of a CUDA-graph step); else None."""
+    cuda_graph: bool = False
+    """Whether the steps replay CUDA graphs (``training.cuda_graph`` resolved, ``uses_cuda_graph``)."""
 
 
 def build_job(config: JobConfig, runtime: Runtime) -> Job:
@@ -124,7 +126,9 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
     out_dir = Path(config.training.output_dir)
     tokenizer = load_tokenizer(config.model)
     model_config = load_model_config(config.model)
-    takes_offsets = check_model_for_job(model_config, packing=config.data.packing, cuda_graph=config.training.cuda_graph)
+    takes_offsets = check_model_for_job(model_config, packing=config.data.packing,
+                                        cuda_graph=config.training.cuda_graph == "true")
+    cuda_graph = uses_cuda_graph(config, runtime, takes_offsets=takes_offsets)
     _check_graph_sharding(config, runtime)
     data = prepare_data(config.data, tokenizer, seed=config.training.seed)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -148,7 +152,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
         runtime=runtime, tokenizer=tokenizer, model_config=model_config, data=data, model=model,
         hf_model=hf_model,
         optimizer=optim.build_optimizer([p for p in model.parameters() if p.requires_grad], config.optim,
-                                        device=runtime.device, capturable=config.training.cuda_graph),
+                                        device=runtime.device, capturable=cuda_graph),
         stream=BatchStream(data.train, seed=config.training.seed, **batching),
         val_batches=fixed_batches(data.val, **batching),
         expert_load=metrics.ExpertLoad(num_layers=len(moe_layers), num_experts=_num_experts(model_config),
@@ -156,13 +160,25 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
         if moe_layers else None,
         fingerprint={**model_fingerprint(model_config), "lora": to_dict(config.lora) if config.lora.enabled else None},
         base_path=base_path, autocast=autocast_for(precision, runtime.device), out_dir=out_dir,
-        num_offsets=_num_document_offsets(data, config) if takes_offsets else None,
+        num_offsets=_num_document_offsets(data, config) if takes_offsets else None, cuda_graph=cuda_graph,
     )
+
+
+def uses_cuda_graph(config: JobConfig, runtime: Runtime, *, takes_offsets: bool) -> bool:
+    """Whether the steps replay CUDA graphs: ``training.cuda_graph`` "true" (checked elsewhere), or
+    "auto" for LoRA in one CUDA process with packed rows into a model that takes the offsets (the
+    eager LoRA step waits for the host: 42,725 against 79,661 tokens/s graphed on one H200, Qwen3
+    shapes, 8 layers; benchmarks/results/session18)."""
+    setting = config.training.cuda_graph
+    if setting != "auto":
+        return setting == "true"
+    return (runtime.device.type == "cuda" and runtime.world_size == 1 and config.data.packing and takes_offsets
+            and config.lora.enabled)
 
 
 def _check_graph_sharding(config: JobConfig, runtime: Runtime) -> None:
     distributed = config.distributed
-    if config.training.cuda_graph and runtime.world_size > 1 and not (
+    if config.training.cuda_graph == "true" and runtime.world_size > 1 and not (
             distributed.ep_size > 1 and distributed.ep_dispatch == "allgather" and distributed.dense_parallel == "replicate"):
         raise ValueError(
             "config field training.cuda_graph: with several processes the step is capturable with expert parallelism "
@@ -204,8 +220,9 @@ def open_sink(job: Job, config: JobConfig, step: int) -> metrics.MetricsSink | m
                  f"{config.data.max_length} tokens, {stats.empty} without answer tokens dropped"
                  + (f"; resuming at step {step}" if step else ""))
     layout = sharding_description(job)
-    sink.message(f"model: {layout}")
-    sink.log({"step": step, "sharding": layout})
+    sink.message(f"model: {layout}; steps {'replayed from CUDA graphs' if job.cuda_graph else 'eager'} "
+                 f"(training.cuda_graph {config.training.cuda_graph})")
+    sink.log({"step": step, "sharding": layout, "cuda_graph": job.cuda_graph})
     return sink
 
 
@@ -242,7 +259,7 @@ def training_loop(job: Job, config: JobConfig, sink: metrics.MetricsSink | metri
     step_options = {"runtime": job.runtime, "grad_clip": config.optim.grad_clip, "aux_coef": aux_coef,
                     "autocast": job.autocast, "expert_load": job.expert_load}
     graphed = None
-    if config.training.cuda_graph:
+    if job.cuda_graph:
         precision = resolve_precision(config.training.precision, job.runtime.device)
         graphed = GraphedTrainStep(job.model, job.optimizer, micro_batches=config.training.grad_accum_steps,
                                    num_offsets=job.num_offsets, **{**step_options, "autocast": autocast_for(

@@ -190,6 +190,41 @@ def test_several_processes_need_the_capturable_expert_parallel_settings():
     _check_graph_sharding(capturable, two)
 
 
+def test_cuda_graph_setting_is_true_false_or_auto():
+    assert load_config().training.cuda_graph == "auto"
+    for given, expected in [("true", "true"), ("True", "true"), ("yes", "true"), ("false", "false"), ("0", "false"),
+                            ("auto", "auto"), ("AUTO", "auto")]:
+        assert load_config(overrides=[f"training.cuda_graph={given}"]).training.cuda_graph == expected
+    with pytest.raises(ValueError, match="training.cuda_graph: 'sometimes' is not one of"):
+        load_config(overrides=["training.cuda_graph=sometimes"])
+    # "auto" never fails a check that "true" fails: it resolves to eager there
+    assert load_config(overrides=["data.packing=false"]).training.cuda_graph == "auto"
+
+
+def test_auto_graphs_lora_in_one_cuda_process_with_packed_rows():
+    from moetune.recipe.distributed_setup import Runtime
+    from moetune.recipe.train import uses_cuda_graph
+
+    gpu, cpu = (Runtime(rank=0, world_size=1, local_rank=0, device=torch.device(d)) for d in ("cuda", "cpu"))
+    two_gpus = Runtime(rank=0, world_size=2, local_rank=0, device=torch.device("cuda"))
+    lora = load_config(overrides=["lora.enabled=true"])
+    assert uses_cuda_graph(lora, gpu, takes_offsets=True)
+    assert not uses_cuda_graph(lora, gpu, takes_offsets=False)  # Transformers' own classes: masks on the host
+    assert not uses_cuda_graph(lora, cpu, takes_offsets=True)
+    assert not uses_cuda_graph(lora, two_gpus, takes_offsets=True)
+    assert not uses_cuda_graph(load_config(overrides=["lora.enabled=true", "data.packing=false"]), gpu, takes_offsets=True)
+    assert not uses_cuda_graph(load_config(), gpu, takes_offsets=True)  # full fine-tuning stays eager
+    assert uses_cuda_graph(load_config(overrides=["training.cuda_graph=true"]), gpu, takes_offsets=True)
+    assert not uses_cuda_graph(load_config(overrides=["lora.enabled=true", "training.cuda_graph=false"]), gpu,
+                               takes_offsets=True)
+
+
+def test_the_run_logs_whether_its_steps_are_graphed(tiny_job, tmp_path):
+    finetune(tiny_job(tmp_path / "out", training__steps=1, lora__enabled="true", checkpoint__export_final="false"))
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["cuda_graph"] for r in records if "sharding" in r] == [False]  # auto, on CPU: eager
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the graphs are captured and replayed)")
 def test_graphed_recipe_on_gpu_resumes_exactly_and_trains_lora(tiny_job, tmp_path):
