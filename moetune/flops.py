@@ -62,10 +62,11 @@ class FlopsCounter:
         attention = sum(per_key * _keys_seen(window, seq_len) for window, per_key in self.attention_per_key.items())
         return (2.0 if frozen_weights else 3.0) * self.weights_forward + 3.0 * attention
 
-    def of_documents(self, lengths: list[int]) -> float:
+    def of_documents(self, lengths: list[int], *, frozen_weights: bool = False) -> float:
         """Training FLOPs of packed documents whose tokens attend only within their own document
-        (each document counted at its own length, as the varlen attention kernels compute it)."""
-        return sum(n * self.per_token(n) for n in lengths if n > 0)
+        (each document counted at its own length, as the varlen attention kernels compute it);
+        ``frozen_weights`` as in ``per_token`` (LoRA)."""
+        return sum(n * self.per_token(n, frozen_weights=frozen_weights) for n in lengths if n > 0)
 
 
 def meta_model(config: Any) -> nn.Module:

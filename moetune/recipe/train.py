@@ -302,7 +302,9 @@ def _run_steps(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.
             profiler.end(step)
             losses.append(result.loss)
             window.append(result)
-            window_flops += flops.of_documents([n for batch in micro_batches for n in batch.sample_lengths])
+            # LoRA trains no base weight: its steps compute no weight gradients (moetune.flops)
+            window_flops += flops.of_documents([n for batch in micro_batches for n in batch.sample_lengths],
+                                               frozen_weights=config.lora.enabled)
             window_tokens += sum(batch.num_tokens for batch in micro_batches)
             window_slots += sum(batch.input_ids_BT.numel() for batch in micro_batches)
 

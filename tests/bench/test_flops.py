@@ -65,6 +65,20 @@ def test_packed_documents_count_attention_at_their_own_length():
     assert counter.of_documents([4096]) == 4096 * flops_per_token(config, seq_len=4096)
 
 
+def test_frozen_weights_count_no_weight_gradients():
+    """LoRA's count: the weights' forward and input gradients (2x), attention's forward and backward (3x)."""
+    from moetune.flops import FlopsCounter
+
+    _, config = load_config("qwen3_30b_a3b", layers=8)
+    h, q, kv, s = 2048, 32 * 128, 4 * 128, 4096
+    weights = 8 * (2 * h * (q + 2 * kv + q) + 8 * 3 * 2 * h * 768) + 2 * h * 151936
+    attention = 8 * 2 * s * q
+    assert flops_per_token(config, seq_len=s, frozen_weights=True) == 2 * weights + 3 * attention
+    counter = FlopsCounter(config)
+    assert counter.of_documents([1000, 3096], frozen_weights=True) == sum(
+        n * counter.per_token(n, frozen_weights=True) for n in (1000, 3096))
+
+
 def test_mamba2_mixers_count_the_ssm_scan_as_nemotron_does(monkeypatch):
     """Megatron / NeMo's hybrid-model convention: each Mamba-2 layer's scan adds 7 x d_inner x state
     per token (training), beside its projections, which count as linears."""

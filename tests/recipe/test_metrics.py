@@ -97,3 +97,22 @@ def test_logged_tflops_count_each_packed_sample_at_its_own_length(tiny_job, tmp_
     flops_per_token = record["tflops_per_gpu"] * 1e12 / record["tokens_per_s_per_gpu"]
     counter = FlopsCounter(AutoConfig.from_pretrained(DEFAULT_ASSETS / "model"))
     assert counter.per_token(1) < flops_per_token < counter.per_token(64)  # tiny_job packs rows of 64
+
+
+def test_lora_steps_count_no_weight_gradients(tiny_job, tmp_path):
+    """A LoRA run's TFLOP/s use the frozen-weight count (no weight gradients), below full fine-tuning's."""
+    import json
+
+    from moetune.flops import FlopsCounter
+    from moetune.recipe.config import DEFAULT_ASSETS
+    from moetune.recipe.train import finetune
+    from transformers import AutoConfig
+
+    out = tmp_path / "out"
+    finetune(tiny_job(out, training__steps=2, lora__enabled="true", checkpoint__export_final="false"))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    record = next(r for r in records if "tflops_per_gpu" in r)
+    flops_per_token = record["tflops_per_gpu"] * 1e12 / record["tokens_per_s_per_gpu"]
+    counter = FlopsCounter(AutoConfig.from_pretrained(DEFAULT_ASSETS / "model"))
+    assert counter.per_token(1, frozen_weights=True) < flops_per_token < counter.per_token(64, frozen_weights=True)
+    assert flops_per_token < counter.per_token(1)  # below any full fine-tuning count
