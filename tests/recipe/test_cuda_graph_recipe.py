@@ -229,16 +229,21 @@ def test_the_run_logs_whether_its_steps_are_graphed(tiny_job, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the graphs are captured and replayed)")
 def test_graphed_recipe_on_gpu_resumes_exactly_and_trains_lora(tiny_job, tmp_path):
     """Replayed graphs on CUDA: a run stopped at step 3 and resumed continues with the losses of the
-    uninterrupted graphed run; LoRA (adapters only trainable) follows its eager run."""
+    uninterrupted graphed run; LoRA (adapters only trainable) follows its eager run, and the default
+    training.cuda_graph "auto" graphs it."""
     gpu = {"training__device": "cuda", "training__cuda_graph": "true"}
     full = finetune(tiny_job(tmp_path / "full", training__steps=6, **gpu))
     finetune(tiny_job(tmp_path / "resume", training__steps=3, checkpoint__every=3, **gpu))
     resumed = finetune(tiny_job(tmp_path / "resume", training__steps=6, checkpoint__resume="auto", **gpu))
     assert resumed.losses == pytest.approx(full.losses[3:], rel=1e-3)
     lora = {"training__steps": 5, "lora__enabled": "true", "checkpoint__export_final": "false", "training__device": "cuda"}
-    eager = finetune(tiny_job(tmp_path / "lora_eager", **lora))
+    eager = finetune(tiny_job(tmp_path / "lora_eager", training__cuda_graph="false", **lora))
     graphed = finetune(tiny_job(tmp_path / "lora_graphed", training__cuda_graph="true", **lora))
     assert graphed.losses == pytest.approx(eager.losses, rel=1e-3)
+    auto = finetune(tiny_job(tmp_path / "lora_auto", **lora))
+    records = [json.loads(line) for line in (tmp_path / "lora_auto" / "metrics.jsonl").read_text().splitlines() if line]
+    assert [r["cuda_graph"] for r in records if "sharding" in r] == [True]
+    assert auto.losses == pytest.approx(graphed.losses, rel=1e-3)
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "gpt_oss", "deepseek_v3"])
