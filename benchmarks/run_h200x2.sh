@@ -26,6 +26,8 @@
 #                e.g. ENV_SWEEP="- NCCL_MAX_NCHANNELS=8 A=1,B=2": commas join the variables of one setting)
 #     optsweep   row B's moetune side alone (real routing), once per set of moetune options in OPT_SWEEP ("-" =
 #                defaults; e.g. OPT_SWEEP="- replicate_bucket_mb=None replicate_bucket_mb=25,replicate_max_ctas=8")
+#     lora       LoRA (rank 16, attention projections + every expert): Transformers + PEFT + FSDP2 against
+#                moetune.lora with ep=NPROC + FSDP2, eager, real routing (never run on GPUs before)
 #     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/nccl_probe.py): NCCL,
 #                and copy-engine pushes into symmetric memory (--copy-engine)
 #     otherarch  rows B and C's setting for the other architectures, real routing, moetune eager with the
@@ -72,6 +74,11 @@ if stage rowB; then
   echo "== rows B, C: ${NPROC} GPUs, ${LAYERS:-16} layers, real + balanced, bf16 gradient reduction, $EP_CHUNKS chunks"
   bench2 300 --routing both --moetune-option reduce_dtype=bfloat16 --moetune-option "ep_overlap_chunks=$EP_CHUNKS" \
     --moetune-optimizer moetune
+fi
+
+if stage lora; then
+  echo "== LoRA rank 16: ${NPROC} GPUs, ${LAYERS:-16} layers, Transformers + PEFT + FSDP2 vs moetune ep=${NPROC} + FSDP2"
+  bench2 240 --routing real --lora-rank 16
 fi
 
 GRAPHABLE_EP=(--moetune-option ep_dispatch=allgather --moetune-option dense_parallel=replicate --moetune-optimizer moetune)

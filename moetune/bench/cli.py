@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--lora-rank", type=int, default=0,
         help="LoRA fine-tuning instead of full: PEFT's adapters on Transformers' side, moetune.lora's on moetune's, "
-        "on the attention projections and every expert, this rank (one process; FLOPs count no weight gradients)",
+        "on the attention projections and every expert, this rank (FLOPs count no weight gradients)",
     )
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2 x rank)")
     p.add_argument(
@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         return _probe_child(args)
     if args.lora_rank < 0:
         raise SystemExit(f"--lora-rank must be >= 0 (0: full fine-tuning), got {args.lora_rank}")
-    if args.lora_rank and (args.probe_max_seq or int(os.environ.get("WORLD_SIZE", "1")) > 1):
-        raise SystemExit("--lora-rank runs in one process: drop --probe-max-seq and torchrun")
+    if args.lora_rank and args.probe_max_seq:
+        raise SystemExit("--lora-rank times training steps: drop --probe-max-seq")
     if args.probe_max_seq:
         return _probe(args, sides)
     env = setup(args.device)

@@ -14,8 +14,10 @@ adapters are created and loaded with them.
 ``--moetune-lora peft`` gives moetune's model PEFT's adapters instead (user code that keeps calling
 ``peft.get_peft_model`` after changing the import): PEFT folds the experts' deltas into the weights.
 
-One process only: under expert parallelism ``apply_lora`` must run between expert parallelism and
-FSDP2, which ``from_config(ep_size=...)`` does in one call.
+On several GPUs (torchrun), Transformers' side gets PEFT's adapters before FSDP2 wraps it
+(``build_hf``), and moetune's side gets its own from ``from_config(..., lora=settings)``, which adds
+them between expert parallelism and FSDP2; ``init_weights`` draws them by name as it draws every
+parameter, the values ``init_adapters`` gives.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def init_adapters(model: nn.Module, *, seed: int) -> None:
 def adapt_with_moetune_lora(model: nn.Module, settings: LoraSettings, *, seed: int) -> dict:
     apply_lora(model, settings)
     init_adapters(model, seed=seed)
-    return _notes(model, "moetune.lora.apply_lora (expert adapters applied to the activations)")
+    return lora_notes(model, "moetune.lora.apply_lora (expert adapters applied to the activations)")
 
 
 def adapt_with_peft(model: nn.Module, settings: LoraSettings, *, seed: int) -> tuple[nn.Module, dict]:
@@ -77,10 +79,11 @@ def adapt_with_peft(model: nn.Module, settings: LoraSettings, *, seed: int) -> t
     if unexpected:
         raise RuntimeError(f"PEFT did not take {len(unexpected)} adapter tensors, e.g. {unexpected[:3]}")
     peft_model.train()
-    return peft_model, _notes(peft_model, "peft.get_peft_model (LoraConfig with target_modules and target_parameters)")
+    return peft_model, lora_notes(peft_model, "peft.get_peft_model (LoraConfig with target_modules and target_parameters)")
 
 
-def _notes(model: nn.Module, how: str) -> dict:
+def lora_notes(model: nn.Module, how: str) -> dict:
+    """How the adapters were added, and the (global) numbers of trainable and frozen parameters."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"lora": how, "trainable_parameters": trainable,
             "frozen_parameters": sum(p.numel() for p in model.parameters() if not p.requires_grad)}  # fmt: skip

@@ -252,7 +252,7 @@ def build_hf(
     round_to: torch.dtype | None = None,
     lora: Any = None,
 ) -> BenchModel:
-    """``lora``: a ``LoraSettings`` for PEFT's adapters (``moetune.bench.lora``), one process only."""
+    """``lora``: a ``LoraSettings`` for PEFT's adapters (``moetune.bench.lora``), added before FSDP2."""
     config = copy.deepcopy(config)
     requested = experts_implementation or hf_experts_implementation(device, dtype)
     config._experts_implementation = requested
@@ -265,10 +265,9 @@ def build_hf(
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "requested_experts_implementation": requested,
     }
-    if lora is not None:
+    if lora is not None:  # before FSDP2, which shards only the parameters that exist when it runs
         from moetune.bench.lora import adapt_with_peft
 
-        _require_one_process(world_size)
         model, lora_notes = adapt_with_peft(model, lora, seed=seed)
         notes.update(lora_notes)
     if world_size > 1:
@@ -276,7 +275,8 @@ def build_hf(
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device.type, (world_size,))
-        for layer in model.model.layers:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT's wrapper
+        for layer in base.model.layers:
             _fully_shard_by_dtype(layer, fully_shard, mesh)
         fully_shard(model, mesh=mesh)
         notes["sharding"] = f"FSDP2 fully_shard on every decoder layer and the root, {world_size} ranks, no EP"
@@ -291,7 +291,23 @@ def build_hf(
 def _fully_shard_by_dtype(module: nn.Module, fully_shard: Callable, mesh) -> None:
     """``fully_shard(module)``; FSDP2 wants one dtype per group, so where the module's parameters
     mix dtypes (DeepSeek-V3's and Nemotron-H's fp32 routers, Mamba-2's fp32 A_log / D in a bf16
-    layer), its children are sharded first, each the same way, and the module keeps the rest."""
+    layer), its children are sharded first, each the same way, and the module keeps the rest.
+
+    With PEFT's adapters: containers without a forward (its ``ModuleDict`` of adapters) are not
+    sharded themselves, their children are; and its expert wrapper (``ParamWrapper``), which reads
+    the wrapped experts' weights outside their own forward, is one unit with them, gathered in the
+    weights' dtype (its fp32 adapters included) and reduced in fp32."""
+    if isinstance(module, (nn.ModuleDict, nn.ModuleList)):
+        for child in module.children():
+            if next(child.parameters(), None) is not None:
+                _fully_shard_by_dtype(child, fully_shard, mesh)
+        return
+    if type(module).__name__ == "ParamWrapper":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        weight_dtype = min((p.dtype for p in module.parameters()), key=lambda d: torch.finfo(d).bits)
+        fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=weight_dtype, reduce_dtype=torch.float32))
+        return
     if len({p.dtype for p in module.parameters()}) > 1:
         for child in module.children():
             if next(child.parameters(), None) is not None:
@@ -316,7 +332,8 @@ def build_moetune(
 ) -> BenchModel:
     """``options``: extra ``MoetuneOptions`` for ``from_config`` (e.g. ``ep_capacity_factor``).
     ``lora``: a ``LoraSettings`` for moetune's adapters (``moetune.bench.lora``; PEFT's with
-    ``lora_with_peft``), one process only.
+    ``lora_with_peft``, one process only); on several GPUs ``from_config`` adds moetune's between expert
+    parallelism and FSDP2.
     ``compile_layers``: ``torch.compile`` each decoder layer (inductor; under expert parallelism the
     experts run eagerly inside).
     ``rebalance_seq_len``: relabel the experts so that the expert-parallel ranks get balanced loads
@@ -331,6 +348,11 @@ def build_moetune(
     if world_size > 1:
         _require_expert_parallelism()
         options.setdefault("ep_size", world_size)
+        if lora is not None:
+            if lora_with_peft:
+                raise SideUnavailable("--moetune-lora peft runs in one process: PEFT cannot wrap a model that "
+                                      "from_config has already sharded")
+            options["lora"] = lora  # added between expert parallelism and FSDP2; init_weights draws them
         model = moetune.AutoModelForCausalLM.from_config(config, dtype=dtype, balanced_gate=balanced_gate, **options)
         dense = "replicated non-expert parameters" if options.get("dense_parallel") == "replicate" else "FSDP2"
         notes["sharding"] = (
@@ -350,10 +372,13 @@ def build_moetune(
         notes["expert_placement"] = _rebalance(model, config, device=device, seed=seed, seq_len=rebalance_seq_len,
                                                num_ranks=options.get("ep_size", world_size))  # fmt: skip
         set_moe_options(model, balanced_gate=balanced_gate)
-    if lora is not None:
+    if lora is not None and world_size > 1:
+        from moetune.bench.lora import lora_notes
+
+        notes.update(lora_notes(model, "moetune.lora through from_config(lora=...), between expert parallelism and FSDP2"))
+    elif lora is not None:
         from moetune.bench.lora import adapt_with_moetune_lora, adapt_with_peft
 
-        _require_one_process(world_size)
         if lora_with_peft:
             model, lora_notes = adapt_with_peft(model, lora, seed=seed)
             notes.update(lora_notes)
@@ -413,12 +438,6 @@ def build_side(side: str, config: transformers.PretrainedConfig, **kwargs: Any) 
     if side == "moetune":
         return build_moetune(config, **kwargs)
     raise ValueError(f"unknown side {side!r} (expected one of {SIDES})")
-
-
-def _require_one_process(world_size: int) -> None:
-    if world_size > 1:
-        raise SideUnavailable("--lora-rank runs in one process: under expert parallelism apply_lora goes between "
-                              "expert parallelism and FSDP2, which from_config(ep_size=...) does in one call")
 
 
 def _require_expert_parallelism() -> None:
