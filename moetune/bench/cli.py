@@ -246,20 +246,28 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
     }
 
 
+_LORA_FIELDS = ("rank", "alpha", "target_modules", "target_experts", "adapter_dtype")
+
+
 def _lora_record(args: argparse.Namespace, config) -> dict[str, Any] | None:
-    settings = _lora(args, config)
-    if settings is None:
+    """The run's LoRA settings as recorded in the results (``_lora`` builds the sides' from it)."""
+    if not args.lora_rank:
         return None
-    return {"rank": settings.rank, "alpha": settings.alpha, "target_modules": settings.target_modules,
-            "target_experts": settings.target_experts, "adapter_dtype": settings.adapter_dtype,
-            "moetune_side": args.moetune_lora,
+    from moetune.bench.lora import lora_settings
+
+    settings = lora_settings(args.lora_rank, args.lora_alpha, config)
+    return {**{name: getattr(settings, name) for name in _LORA_FIELDS}, "moetune_side": args.moetune_lora,
             "flops": "forward + input gradients of the frozen weights (2x) + attention (3x); no weight gradients"}
 
 
-def _lora(args: argparse.Namespace, config):
-    from moetune.bench.lora import lora_settings
+def _lora(data: dict[str, Any]):
+    """The ``LoraSettings`` the results record, or None for full fine-tuning."""
+    record = data["config"]["lora"]
+    if record is None:
+        return None
+    from moetune.lora import LoraSettings
 
-    return lora_settings(args.lora_rank, args.lora_alpha, config) if args.lora_rank else None
+    return LoraSettings(**{name: record[name] for name in _LORA_FIELDS})
 
 
 def _optimizer_name(device: torch.device) -> str:
@@ -360,7 +368,7 @@ def _bench_side(
             side, config, device=env.device, dtype=torch.bfloat16, seed=args.seed, world_size=env.world_size,
             balanced_gate=rows[0].routing == "balanced", options=_moetune_options(args),
             rebalance_seq_len=max(row.seq_len for row in rows) if args.moetune_rebalance_experts else None,
-            compile_layers=args.moetune_compile, lora=_lora(args, config), lora_with_peft=args.moetune_lora == "peft",
+            compile_layers=args.moetune_compile, lora=_lora(data), lora_with_peft=args.moetune_lora == "peft",
         )
     except Exception as error:  # noqa: BLE001 -- report the side as failed and keep the other one
         if env.distributed and not isinstance(error, SideUnavailable):

@@ -22,7 +22,6 @@ parameter, the values ``init_adapters`` gives.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from moetune.lora import LoraSettings, apply_lora, lora_parameters, remove_lora
@@ -40,13 +39,11 @@ def lora_settings(rank: int, alpha: float | None, config) -> LoraSettings:
     return LoraSettings(rank=rank, alpha=float(2 * rank if alpha is None else alpha), target_modules=targets)
 
 
-@torch.no_grad()
 def init_adapters(model: nn.Module, *, seed: int) -> None:
-    """Each adapter tensor drawn from normal(0, 0.02) seeded by (seed, name), as the base weights are."""
-    from moetune.bench.models import _draw
+    """Each adapter tensor drawn as ``init_weights`` draws every weight: normal(0, 0.02) seeded by (seed, name)."""
+    from moetune.bench.models import init_weights
 
-    for name, param in lora_parameters(model):
-        param.copy_(_draw(seed, name, param.shape, param.device).to(param.dtype))
+    init_weights(model, seed=seed, parameters=lora_parameters(model))
 
 
 def adapt_with_moetune_lora(model: nn.Module, settings: LoraSettings, *, seed: int) -> dict:

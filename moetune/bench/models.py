@@ -17,7 +17,7 @@ import contextlib
 import copy
 import hashlib
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,7 +87,8 @@ def _is_norm_weight(name: str, param: torch.Tensor) -> bool:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, *, seed: int, round_to: torch.dtype | None = None) -> None:
+def init_weights(model: nn.Module, *, seed: int, round_to: torch.dtype | None = None,
+                 parameters: Iterable[tuple[str, nn.Parameter]] | None = None) -> None:
     """Deterministic init: for each parameter in sorted name order, normal(0, 0.02) from a generator
     seeded by (seed, name) (norm weights ones, other 1-D parameters zeros).
 
@@ -95,8 +96,10 @@ def init_weights(model: nn.Module, *, seed: int, round_to: torch.dtype | None = 
     (an fp32 reference built with ``round_to=torch.bfloat16`` holds exactly the bf16 model's
     weights), then cast to the parameter's dtype. Sharded (DTensor) parameters receive their
     local block of the full tensor, so sharded and unsharded models get the same weights.
+    ``parameters``: (name, parameter) pairs to draw instead of all of ``model``'s (e.g. LoRA adapters
+    added after the weights).
     """
-    for name, param in sorted(model.named_parameters()):
+    for name, param in sorted(model.named_parameters() if parameters is None else parameters, key=lambda np: np[0]):
         local = param.to_local() if hasattr(param, "to_local") else param
         device = local.device
         if _is_norm_weight(name, param):
@@ -275,8 +278,7 @@ def build_hf(
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh(device.type, (world_size,))
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT's wrapper
-        for layer in base.model.layers:
+        for layer in unwrap_peft(model).model.layers:
             _fully_shard_by_dtype(layer, fully_shard, mesh)
         fully_shard(model, mesh=mesh)
         notes["sharding"] = f"FSDP2 fully_shard on every decoder layer and the root, {world_size} ranks, no EP"
@@ -286,6 +288,11 @@ def build_hf(
         "hf", model, config, lambda balanced: hf_balanced_gate(enabled=balanced, top_k=top_k, model_type=model_type),
         notes=notes,
     )
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The model inside PEFT's ``PeftModel`` (``--lora-rank`` with PEFT), else ``model`` itself."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _fully_shard_by_dtype(module: nn.Module, fully_shard: Callable, mesh) -> None:
@@ -390,7 +397,7 @@ def build_moetune(
         for layer in decoder_layers(model):
             layer.compile()
         notes["compiled"] = "each decoder layer (torch.compile, inductor)"
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT's wrapper
+    base = unwrap_peft(model)
     notes["class"] = f"{type(base).__module__}.{type(base).__name__}"
     notes["experts_backend"] = _moetune_experts_backend(model, device, dtype)
     model.train()

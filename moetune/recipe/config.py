@@ -20,9 +20,11 @@ PRECISIONS = ("auto", "fp32", "bf16_autocast", "bf16")
 PARALLELISMS = ("fsdp", "ddp")
 PACKING_STRATEGIES = ("best_fit", "in_order")
 ON_BAD_ROW = ("skip", "fail")
+TRUE_SPELLINGS = frozenset({"true", "yes", "on", "1"})
+FALSE_SPELLINGS = frozenset({"false", "no", "off", "0"})
+"""How a boolean may be written in YAML strings and CLI overrides (lower case)."""
 CUDA_GRAPH_SETTINGS = ("true", "false", "auto")
-_CUDA_GRAPH_SPELLINGS = {"true": "true", "yes": "true", "on": "true", "1": "true",
-                         "false": "false", "no": "false", "off": "false", "0": "false", "auto": "auto"}
+_CUDA_GRAPH_SPELLINGS = {**dict.fromkeys(TRUE_SPELLINGS, "true"), **dict.fromkeys(FALSE_SPELLINGS, "false"), "auto": "auto"}
 
 
 @dataclass

@@ -18,10 +18,7 @@ from typing import Any
 
 import yaml
 
-from moetune.recipe.config import JobConfig, validate
-
-_TRUE = {"true", "yes", "on", "1"}
-_FALSE = {"false", "no", "off", "0"}
+from moetune.recipe.config import FALSE_SPELLINGS, TRUE_SPELLINGS, JobConfig, validate
 
 
 def load_config(*, yaml_path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
@@ -141,8 +138,8 @@ def coerce(value: Any, hint: Any, *, name: str, source: str) -> Any:
     if hint is bool:
         if isinstance(value, bool):
             return value
-        if str(value).lower() in _TRUE | _FALSE:
-            return str(value).lower() in _TRUE
+        if str(value).lower() in TRUE_SPELLINGS | FALSE_SPELLINGS:
+            return str(value).lower() in TRUE_SPELLINGS
         fail("true or false")
     if hint is int:
         if isinstance(value, bool):
