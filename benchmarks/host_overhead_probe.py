@@ -119,6 +119,10 @@ def measure_step(config_name: str, side: str, lora_rank: int, args) -> dict:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             torch.cuda.synchronize()
+        if args.cprofile:
+            _cprofile(step, args.top)
+        if args.sync_debug:
+            _sync_debug(step)
     averages = prof.key_averages()
     launches = sum(e.count for e in averages if e.key in LAUNCH_EVENTS)
     row = {
@@ -135,6 +139,45 @@ def measure_step(config_name: str, side: str, lora_rank: int, args) -> dict:
     return row
 
 
+def _cprofile(step, top: int) -> None:
+    """Python-level attribution of the issue time: the top functions of three steps by own time."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(3):
+        step()
+    profiler.disable()
+    torch.cuda.synchronize()
+    for order in ("tottime", "cumulative"):
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(top)
+        print(f"---- cProfile, 3 steps, by {order} ----")
+        print("\n".join(line[:220] for line in text.getvalue().splitlines()[4:]))
+
+
+def _sync_debug(step) -> None:
+    """Every host synchronisation in one step, with where it happened (innermost moetune frame)."""
+    import warnings
+    from collections import Counter
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    places = Counter()
+    for w in caught:
+        places[f"{Path(w.filename).name}:{w.lineno}: {str(w.message)[:80]}"] += 1
+    print(f"---- host synchronisations in one step: {sum(places.values())} ----")
+    for place, count in places.most_common(20):
+        print(f"{count:5d}  {place}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="qwen3_30b_a3b", help="comma-separated shipped configs")
@@ -145,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--cprofile", action="store_true", help="print cProfile's top functions of three steps")
+    p.add_argument("--sync-debug", action="store_true", help="list the host synchronisations of one step")
     p.add_argument("--out", default=None, help="JSONL file to append the rows to")
     args = p.parse_args(argv)
     rows = floors()
