@@ -55,9 +55,15 @@ def _lora_linear_hook(module: nn.Module, args: tuple, kwargs: dict, output: torc
     # Compute in the activations' dtype (casting the small adapters, not x): the backward then saves
     # the x the base matmul already keeps instead of an fp32 copy per adapted Linear. Gradients still
     # reach the adapters in their own (fp32) dtype through the casts.
-    lora_A, lora_B = getattr(module, LORA_A).to(x.dtype), getattr(module, LORA_B).to(x.dtype)
+    lora_A = getattr(module, LORA_A).to(x.dtype)
+    # The scaling goes on B (an [out, r] op in B's dtype) instead of on the [tokens, out] product, and
+    # the GEMM's epilogue adds the base output (addmm, one rounding): the adapter costs two GEMMs and
+    # no elementwise pass over the [tokens, out] output, forward or backward.
+    lora_B, scaling = getattr(module, LORA_B), getattr(module, _SCALING)
+    lora_B = (lora_B if scaling == 1 else lora_B * scaling).to(x.dtype)
     h = F.linear(getattr(module, _DROPOUT)(x), lora_A)
-    return output + F.linear(h, lora_B) * getattr(module, _SCALING)
+    out_2d = torch.addmm(output.reshape(-1, output.shape[-1]), h.reshape(-1, h.shape[-1]), lora_B.t())
+    return out_2d.view(output.shape)
 
 
 def linear_delta(module: nn.Module) -> torch.Tensor:
