@@ -40,13 +40,18 @@ def test_lora_matches_merged_copy_on_gpu_bf16():
         logits, merged_logits, base_logits = (m(tokens).logits for m in (model, merged, base))
     assert _mean_rel(logits, merged_logits) < 0.1 * _mean_rel(base_logits, merged_logits)
 
-    # Training mode with labels takes the fused LM-head loss path.
-    for m in (model, merged, base):
+    # Training mode with labels takes the fused LM-head loss path. Its loss is compared with the same
+    # adapted model in fp32: within bf16's 1e-2, and nearer to it than the base model's loss is (the
+    # adapters' effect on a random model's loss is ~3e-3, the bf16 noise ~4e-4: a bound of a tenth of
+    # the effect against the bf16 merged copy, whose weights are rounded too, failed on that noise).
+    reference = copy.deepcopy(model).float()
+    for m in (model, reference, base):
         m.train()
     loss = model(tokens, labels=tokens).loss
     with torch.no_grad():
-        merged_loss, base_loss = (m(tokens, labels=tokens).loss.item() for m in (merged, base))
-    assert abs(loss.item() - merged_loss) < 0.1 * abs(base_loss - merged_loss)
+        reference_loss, base_loss = (m(tokens, labels=tokens).loss.item() for m in (reference, base))
+    assert abs(loss.item() - reference_loss) < 1e-2 * abs(reference_loss)
+    assert abs(loss.item() - reference_loss) < abs(base_loss - reference_loss)
     loss.backward()
     for name, param in lora_parameters(model):
         assert param.grad is not None and torch.isfinite(param.grad).all(), name
