@@ -75,9 +75,10 @@ def floors(calls: int = 2000) -> list[dict]:
     return rows
 
 
-def _step_fns(model, args, lora: bool):
-    opt_params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(opt_params, lr=1e-5, fused=True)
+def _train_step(model, args):
+    """One eager training step as a user's loop runs it: forward with labels, backward, torch's fused
+    AdamW over the trainable parameters (all of them, or LoRA's adapters), zero_grad."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
     gen = torch.Generator(device="cuda").manual_seed(1)
     ids = torch.randint(0, model.config.vocab_size, (1, args.seq_len), device="cuda", generator=gen)
 
@@ -97,7 +98,7 @@ def measure_step(config_name: str, side: str, lora_rank: int, args) -> dict:
     lora = lora_settings(lora_rank, None, config) if lora_rank else None
     bench_model = build_side(side, config, device=torch.device("cuda"), seed=0, lora=lora)
     model = bench_model.model
-    step = _step_fns(model, args, bool(lora_rank))
+    step = _train_step(model, args)
     issue, wall, gpu = [], [], []
     with bench_model.routing_context(False):
         for i in range(args.warmup + args.steps):
