@@ -18,7 +18,7 @@ import torch
 import transformers
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from moetune.checkpoint import list_checkpoint_tensors, load_checkpoint, plan_checkpoint_load
+from moetune.checkpoint import list_checkpoint_tensors, load_checkpoint, plan_checkpoint_load, unused_parameter_names
 from moetune.integrations import IMPLEMENTATION_NAME, register_moetune_experts
 from moetune.models import family_for, set_moe_options
 from moetune.options import MoetuneOptions
@@ -64,11 +64,15 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         attn_implementation = kwargs.pop("attn_implementation", None)
         device_map = kwargs.pop("device_map", None)
         generation_config = kwargs.pop("generation_config", None)
+        output_loading_info = kwargs.pop("output_loading_info", False)
         for name in IGNORED_LOADING_KWARGS:
             kwargs.pop(name, None)
 
         folder = resolve_checkpoint_folder(pretrained_model_name_or_path, **hub)
         config_overrides = set(kwargs)  # what is left are config fields (checked by _load_config)
+        # The caller chose the architecture (num_hidden_layers=N, or a config of its own): the
+        # checkpoint's tensors of layers beyond it are left unread, as Transformers leaves them.
+        layers_chosen = config is not None or "num_hidden_layers" in config_overrides
         if config is None:
             config = _load_config(folder, trust_remote_code=trust_remote_code, overrides=kwargs)
         elif kwargs:
@@ -107,7 +111,15 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         config._name_or_path = str(pretrained_model_name_or_path)
         with torch.device("meta"):
             model = family.causal_lm._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-        plan = plan_checkpoint_load(model, tensors, model.checkpoint_layout)  # raises before allocation
+        unused: list[str] | None = [] if layers_chosen else None
+        plan = plan_checkpoint_load(model, tensors, model.checkpoint_layout, unused=unused)  # raises before allocation
+        unexpected = unused_parameter_names(unused, model, model.checkpoint_layout) if unused else set()
+        if unexpected:
+            warnings.warn(
+                f"{len(unexpected)} parameters in {str(folder)!r} belong to decoder layers beyond the model's "
+                f"{config.num_hidden_layers} (num_hidden_layers) and were not loaded: {', '.join(sorted(unexpected)[:4])}, ...",
+                stacklevel=2,
+            )
         set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=options.experts_backend)
         if options.distributed:
             from moetune.distributed import parallelize_for_options
@@ -118,7 +130,10 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         load_checkpoint(model, plan)
         model.generation_config = _generation_config(folder, model, generation_config)
         model.eval()
-        return model if options.distributed else _with_lora(model, options)
+        model = model if options.distributed else _with_lora(model, options)
+        if output_loading_info:  # Transformers' report; anything else missing or unexpected raised above
+            return model, {"missing_keys": set(), "unexpected_keys": unexpected, "mismatched_keys": set(), "error_msgs": []}
+        return model
 
 
 def _dequantized_while_loading(config: PretrainedConfig, method: str, layout) -> bool:

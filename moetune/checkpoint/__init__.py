@@ -3,7 +3,7 @@ safetensors only, streamed, shard-aware. See README.md."""
 
 from moetune.checkpoint.files import TensorInfo, list_checkpoint_tensors
 from moetune.checkpoint.layout import SWIGLU_EXPERTS, CheckpointLayout, FusedExpertParam, Region
-from moetune.checkpoint.loader import LoadItem, load_checkpoint, local_block, plan_checkpoint_load
+from moetune.checkpoint.loader import LoadItem, load_checkpoint, local_block, plan_checkpoint_load, unused_parameter_names
 from moetune.checkpoint.writer import parse_size, save_hf_checkpoint
 
 __all__ = [
@@ -19,4 +19,5 @@ __all__ = [
     "parse_size",
     "plan_checkpoint_load",
     "save_hf_checkpoint",
+    "unused_parameter_names",
 ]

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from dataclasses import dataclass
 from math import prod
@@ -55,10 +56,30 @@ def _tied_names(model: nn.Module) -> set[str]:
     return {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
 
 
+# A decoder layer's index in a tensor name: "model.layers.12.mlp..." -> 12.
+_LAYER_INDEX = re.compile(r"((?:^|\.)layers\.)(\d+)(\.)")
+
+
+def _layer_index(name: str) -> int | None:
+    match = _LAYER_INDEX.search(name)
+    return int(match.group(2)) if match else None
+
+
+def _with_layer_index(name: str, index: int) -> str:
+    return _LAYER_INDEX.sub(rf"\g<1>{index}\g<3>", name, count=1)
+
+
 def plan_checkpoint_load(
-    model: nn.Module, tensors: dict[str, TensorInfo], layout: CheckpointLayout
+    model: nn.Module, tensors: dict[str, TensorInfo], layout: CheckpointLayout, *, unused: list[str] | None = None
 ) -> list[LoadItem]:
+    """The blocks to copy; raises naming every missing, unexpected or mis-shaped tensor.
+
+    ``unused``: when given, the tensors of decoder layers the model does not have (a caller that
+    asked for fewer layers than the checkpoint holds, ``num_hidden_layers=N``, as Transformers
+    allows) are listed there and left unread instead of being unexpected."""
     shapes = model_tensor_shapes(model)
+    layer_indices = {i for i in map(_layer_index, shapes) if i is not None}
+    num_layers = max(layer_indices) + 1 if layer_indices else None
     tied = _tied_names(model)
     items: list[LoadItem] = []
     unexpected, misshaped, missing = [], [], []
@@ -78,7 +99,9 @@ def plan_checkpoint_load(
             continue  # read with its weight
         region = layout.region(key, shapes)
         if region is None:
-            unexpected.append(key)
+            index = _layer_index(layout.canonical(key))
+            beyond_the_model = unused is not None and num_layers is not None and index is not None and index >= num_layers
+            (unused if beyond_the_model else unexpected).append(key)
             continue
         extra = 0 if region.param == layout.canonical(key) else 1  # per-expert tensors lack the leading expert dim
         if tuple(info.shape) != region.shape[extra:]:
@@ -106,6 +129,24 @@ def plan_checkpoint_load(
         folder = next(iter(tensors.values())).file.parent if tensors else "?"
         raise ValueError(f"checkpoint {str(folder)!r} does not match {type(model).__name__}: " + "; ".join(problems))
     return items
+
+
+def unused_parameter_names(keys: list[str], model: nn.Module, layout: CheckpointLayout) -> set[str]:
+    """The model-level names (Transformers' loading report: ``...experts.gate_up_proj``, not the
+    per-expert tensors) of checkpoint tensors that ``plan_checkpoint_load`` left unread: each is
+    mapped through a layer the model has, then given back its own layer index."""
+    shapes = model_tensor_shapes(model)
+    present = sorted({i for i in map(_layer_index, shapes) if i is not None})
+    names = set()
+    for key in keys:
+        index, name = _layer_index(layout.canonical(key)), layout.canonical(key)
+        for stand_in in present:
+            region = layout.region(_with_layer_index(key, stand_in), shapes)
+            if region is not None:
+                name = _with_layer_index(region.param, index)
+                break
+        names.add(name)
+    return names
 
 
 def _mxfp4_param(layout: CheckpointLayout, key: str, shapes: dict[str, tuple[int, ...]]) -> str | None:
