@@ -70,9 +70,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
 
         folder = resolve_checkpoint_folder(pretrained_model_name_or_path, **hub)
         config_overrides = set(kwargs)  # what is left are config fields (checked by _load_config)
-        # The caller chose the architecture (num_hidden_layers=N, or a config of its own): the
-        # checkpoint's tensors of layers beyond it are left unread, as Transformers leaves them.
-        layers_chosen = config is not None or "num_hidden_layers" in config_overrides
+        config_given = config is not None
         if config is None:
             config = _load_config(folder, trust_remote_code=trust_remote_code, overrides=kwargs)
         elif kwargs:
@@ -111,7 +109,12 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         config._name_or_path = str(pretrained_model_name_or_path)
         with torch.device("meta"):
             model = family.causal_lm._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-        unused: list[str] | None = [] if layers_chosen else None
+        # A caller who made the model shallower than the checkpoint (num_hidden_layers=N, a shorter
+        # layer pattern, or a config of its own) gets the first layers; the tensors of the others are
+        # left unread, as Transformers leaves them. Otherwise every tensor must have a place.
+        shallower = (config_given or bool(config_overrides)) and config.num_hidden_layers < _load_config(
+            folder, trust_remote_code=trust_remote_code, overrides={}).num_hidden_layers
+        unused: list[str] | None = [] if shallower else None
         plan = plan_checkpoint_load(model, tensors, model.checkpoint_layout, unused=unused)  # raises before allocation
         unexpected = unused_parameter_names(unused, model, model.checkpoint_layout) if unused else set()
         if unexpected:

@@ -50,6 +50,36 @@ def test_loading_info_lists_the_layers_left_unread(checkpoint):
     assert not info["missing_keys"] and not info["mismatched_keys"] and not info["error_msgs"]
 
 
+def _tiny_config(family: str):
+    from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
+    from tests.test_gpt_oss_parity import tiny_gpt_oss_config
+    from tests.test_nemotron_h_parity import tiny_nemotron_h_config
+
+    return {"deepseek_v3": tiny_deepseek_v3_config, "gpt_oss": tiny_gpt_oss_config, "nemotron_h": tiny_nemotron_h_config}[family]()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "nemotron_h"])
+def test_the_other_families_load_fewer_layers_like_transformers(family, tmp_path):
+    config = _tiny_config(family)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)  # their Hub layouts
+    fewer = config.num_hidden_layers - 1
+    # Nemotron-H counts its layers from its pattern, so a shallower model is asked for through it.
+    shallower = {"layers_block_type": config.layers_block_type[:fewer]} if family == "nemotron_h" else {"num_hidden_layers": fewer}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reference, reference_info = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path, output_loading_info=True, **shallower
+        )
+        model, info = moetune.AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True, **shallower)
+    assert type(model).__module__.startswith("moetune.") and model.config.num_hidden_layers == fewer
+    assert info["unexpected_keys"] == reference_info["unexpected_keys"] != set()
+    ids = torch.randint(0, config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-6)
+
+
 def test_loading_info_of_a_full_load_is_empty(checkpoint):
     model, info = moetune.AutoModelForCausalLM.from_pretrained(checkpoint, output_loading_info=True)
     assert model.config.num_hidden_layers == 3
@@ -64,3 +94,16 @@ def test_extra_layers_without_asking_for_fewer_are_still_refused(checkpoint):
     assert config_path.is_file()
     with pytest.raises(ValueError, match=r"unexpected tensors .*model\.layers\.2\."):
         moetune.AutoModelForCausalLM.from_pretrained(checkpoint)
+
+
+def test_a_shallower_config_of_the_callers_loads_its_layers(checkpoint):
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    config.num_hidden_layers = 1
+    with pytest.warns(UserWarning, match=r"beyond the model's 1 \(num_hidden_layers\)"):
+        model = moetune.AutoModelForCausalLM.from_pretrained(checkpoint, config=config)
+    assert len(model.model.layers) == 1
+
+
+def test_a_deeper_model_than_the_checkpoint_is_still_missing_tensors(checkpoint):
+    with pytest.raises(ValueError, match=r"missing tensors .*model\.layers\.3\."):
+        moetune.AutoModelForCausalLM.from_pretrained(checkpoint, num_hidden_layers=4, mlp_only_layers=[1])
