@@ -123,6 +123,11 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
 
     def _backbone_forward(self, *args, **kwargs):
         if args or not self._is_plain_causal(kwargs):
+            if self.training and kwargs.get("past_key_values") is None and kwargs.get("cache") is None:
+                # A training forward needs no KV cache (Transformers builds one whenever
+                # config.use_cache is on; its hybrid Nemotron-H cache even fails when layer 0 holds
+                # no attention or Mamba state). A caller's explicit use_cache still wins.
+                kwargs.setdefault("use_cache", False)
             return super().forward(*args, **kwargs)
         input_ids, inputs_embeds = kwargs.pop("input_ids", None), kwargs.pop("inputs_embeds", None)
         position_ids = kwargs.pop("position_ids", None)  # only with document offsets (packed rows)
