@@ -20,6 +20,8 @@
 #   graph     row A with moetune's step replayed from CUDA graphs, updates during the backward
 #             (--moetune-cuda-graph --moetune-overlap-optimizer)
 #   graphtriton  moetune alone, graphed, with experts_backend=triton (Triton row GEMMs)
+#   quack     row A graphed with experts_backend=quack (both sides), moetune's default in the same call,
+#             and both at 16 layers (needs quack-kernels: benchmarks/install_quack.sh)
 #   graph16l  moetune alone at 16 layers, eager and graphed (the one-GPU reference of row B)
 #   profile   benchmarks/profile_step.py: kernels and GPU idle time of one step, eager and graphed
 #   nemotron  Nemotron 3 Nano: one Mamba-2 mixer, Transformers' torch path vs moetune's
@@ -142,6 +144,21 @@ fi
 if stage 16l; then
   echo "== moetune alone, 16 layers (one-GPU reference for row B)"
   bench 90 --layers 16 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune
+fi
+
+if stage quack; then
+  # needs quack-kernels (benchmarks/install_quack.sh)
+  echo "== row A graphed, both sides, moetune with quack's grouped GEMMs (experts_backend=quack)"
+  bench 170 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --moetune-optimizer moetune --moetune-cuda-graph \
+    --moetune-overlap-optimizer --moetune-option experts_backend=quack
+  echo "== row A graphed, moetune alone with torch's grouped GEMM (the same call's A/B)"
+  bench 100 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune \
+    --moetune-cuda-graph --moetune-overlap-optimizer
+  echo "== 16 layers graphed, moetune alone, quack then torch's grouped GEMM (one-GPU reference of row B)"
+  bench 100 --layers 16 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune \
+    --moetune-cuda-graph --moetune-overlap-optimizer --moetune-option experts_backend=quack
+  bench 100 --layers 16 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune \
+    --moetune-cuda-graph --moetune-overlap-optimizer
 fi
 
 if stage graph16l; then

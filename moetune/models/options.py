@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from moetune.kernels import quack_grouped_gemm
 from moetune.moe import ROUTERS, GroupedExperts
 from moetune.moe.experts import EXPERTS_BACKENDS
 
@@ -13,6 +14,8 @@ def set_moe_options(model: nn.Module, *, balanced_gate: bool | None = None, expe
     """Switch every MoE layer's router to the balanced benchmark gate and/or pick the experts kernel."""
     if experts_backend is not None and experts_backend not in EXPERTS_BACKENDS:
         raise ValueError(f"experts_backend must be one of {EXPERTS_BACKENDS}, got {experts_backend!r}")
+    if experts_backend == "quack" and not quack_grouped_gemm.available():
+        quack_grouped_gemm._gemm()  # raises, saying what failed to import
     for module in model.modules():
         if balanced_gate is not None and isinstance(module, ROUTERS):
             module.balanced = balanced_gate

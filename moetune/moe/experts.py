@@ -23,14 +23,17 @@ from moetune.kernels.clamped_swiglu import clamped_swiglu
 from moetune.kernels.expert_bias import add_expert_bias
 from moetune.kernels.grouped_gemm import grouped_rows_mm, grouped_weight_grad
 from moetune.kernels.permute import permute_rows, permute_rows_backward
+from moetune.kernels import quack_grouped_gemm
 from moetune.utils.autocast import cuda_autocast_dtype
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
-EXPERTS_BACKENDS = ("auto", "grouped_mm", "triton", "loop")
+EXPERTS_BACKENDS = ("auto", "grouped_mm", "triton", "quack", "loop")
 """``auto``: torch's grouped GEMM on CUDA bf16 (fp32 weights under CUDA bf16 autocast included), the
 per-expert loop elsewhere; ``triton``: moetune's
-Triton row GEMMs (the dispatch gather fused into the first one) with torch's weight-gradient GEMM."""
+Triton row GEMMs (the dispatch gather fused into the first one) with torch's weight-gradient GEMM;
+``quack``: quack's CuTe-DSL grouped GEMMs for all three (the gather fused into the first one; optional
+package, CUDA sm90+: ``moetune.kernels.quack_grouped_gemm``)."""
 
 
 class ExpertAdapter(NamedTuple):
@@ -226,12 +229,12 @@ def run_experts(
         in_bias, down_bias = (None if b is None else b.to(compute_dtype) for b in (in_bias, down_bias))
     # fp32 adapters (PEFT's default) under bf16 weights run in bf16: casting the small adapters, not the rows.
     in_adapter, down_adapter = (None if a is None else _cast_adapter(a, in_proj.dtype) for a in (in_adapter, down_adapter))
-    if backend in ("grouped_mm", "triton") or (backend == "auto" and grouped_mm_supported(x)):
+    if backend in ("grouped_mm", "triton", "quack") or (backend == "auto" and grouped_mm_supported(x)):
         # No host sync: the group boundaries stay on the device.
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
         x, w_EHX = x.to(in_proj.dtype), in_proj.transpose(-2, -1)
-        if backend == "triton" or gather_order is not None:
-            rows_backend = "triton" if backend == "triton" else "grouped_mm"
+        if backend in ("triton", "quack") or gather_order is not None:
+            rows_backend = backend if backend in ("triton", "quack") else "grouped_mm"
             h_NX = GatheredGroupedMM.apply(x, w_EHX, gather_order, offsets_E, gather_top_k, "auto", rows_backend)
         else:
             h_NX = _grouped_mm(x, w_EHX, offs=offsets_E)
@@ -243,8 +246,8 @@ def run_experts(
             expert_N = torch.searchsorted(offsets_E, rows, right=True)  # E for padding rows
         h_NX = h_NX if in_bias is None else add_expert_bias(h_NX, in_bias, expert_N, offsets_E)
         a_NI = activate(h_NX, offsets_E[-1:]).to(h_NX.dtype)  # autocast runs some (relu2's pow) in fp32
-        if backend == "triton":
-            y_NH = GatheredGroupedMM.apply(a_NI, down_proj.transpose(-2, -1), None, offsets_E, 1, "auto", "triton")
+        if backend in ("triton", "quack"):
+            y_NH = GatheredGroupedMM.apply(a_NI, down_proj.transpose(-2, -1), None, offsets_E, 1, "auto", backend)
         else:
             y_NH = _grouped_mm(a_NI, down_proj.transpose(-2, -1), offs=offsets_E)
         if down_adapter is not None:
@@ -327,7 +330,8 @@ class GatheredGroupedMM(torch.autograd.Function):
 
     ``backend``: the row GEMMs (forward and data gradient) with torch's grouped GEMM after
     moetune's gather (``"grouped_mm"``), or with moetune's Triton kernel, which gathers inside its
-    loads (``"triton"``). The weight gradient is torch's grouped GEMM either way: it runs the
+    loads (``"triton"``), or with quack's kernels, which gather inside theirs too (``"quack"``).
+    The weight gradient is quack's under ``"quack"``, torch's grouped GEMM otherwise: torch's runs the
     short-reduction shape (~256 rows per expert) faster than the Triton kernel
     (``benchmarks/results/grouped_gemm_probe_h200_032b0de.jsonl``).
     """
@@ -353,7 +357,9 @@ class GatheredGroupedMM(torch.autograd.Function):
             # torch's own _grouped_mm_mat2_backward: a column-major weight gets a column-major gradient.
             column_major = w_EHX.stride(-2) == 1 and w_EHX.stride(-1) == w_EHX.shape[-2]
             p_N, q_N = (dh_NX, x_NH) if column_major else (x_NH, dh_NX)
-            if ctx.backend == "grouped_mm" or grouped_mm_supported(x_NH):
+            if ctx.backend == "quack":
+                dw = quack_grouped_gemm.weight_grad(p_N, q_N, offsets_E)
+            elif ctx.backend == "grouped_mm" or grouped_mm_supported(x_NH):
                 dw = _grouped_mm(p_N.t(), q_N, offs=offsets_E)
             else:  # the Triton backend off CUDA: the reference loop
                 dw = grouped_weight_grad(p_N, q_N, offsets_E, impl="torch")
@@ -365,6 +371,8 @@ def _rows_mm(a, b_EKC, offsets_E, order_N, top_k: int, *, backend: str, impl: Im
     """Rows ``a`` (or ``a[order_N // top_k]``) times ``b_EKC[e]`` per group; padding rows left unwritten."""
     if backend == "triton":
         return grouped_rows_mm(a, b_EKC, offsets_E, gather_order=order_N, top_k=top_k, impl=impl)
+    if backend == "quack":
+        return quack_grouped_gemm.rows_mm(a, b_EKC, offsets_E, gather_order=order_N, top_k=top_k)
     rows = a if order_N is None else permute_rows(a, order_N, top_k, num_valid=offsets_E[-1:], impl=impl)
     return _grouped_mm(rows, b_EKC, offs=offsets_E)
 

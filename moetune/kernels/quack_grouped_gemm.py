@@ -1,0 +1,76 @@
+"""The experts' grouped GEMMs through quack (Tri Dao's lab's CuTe-DSL kernels; optional:
+``pip install quack-kernels``, CUDA compute capability 9.0+).
+
+Same contract as ``moetune.kernels.grouped_gemm``'s Triton kernels and torch's ``_grouped_mm``, on
+the device-side group ends ``offsets_E`` (no host sync):
+
+- ``rows_mm(a, b_EKC, offsets_E, gather_order=, top_k=)``: rows ``offsets[e-1]:offsets[e]`` of the
+  result are ``a_rows @ b[e]`` (quack's ``varlen_m``), ``a_rows`` being ``a``'s rows or, with
+  ``gather_order``, ``a[gather_order // top_k]`` read inside the GEMM's loads (quack's gather_A): the
+  dispatch gather without the [N, H] permuted copy. Rows ``>= offsets[-1]`` are padding, unwritten.
+- ``weight_grad(p, q, offsets_E)``: ``out[e] = p[rows_e]^T @ q[rows_e]`` (quack's ``varlen_k``).
+
+Why: on an H200 at Qwen3-30B-A3B's expert shapes (128 experts, H 2048, I 768, 32768 routed rows)
+these run 1.03-1.25x faster than torch's CUTLASS grouped GEMM on the row GEMMs and 1.08-1.6x on
+the weight gradients (``benchmarks/kernel_library_probe.py``, results in
+``benchmarks/results/session20/``). quack tunes each shape on its first call (eager warm-up steps
+do that before a CUDA graph is captured).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+@functools.cache
+def _gemm():
+    try:
+        from quack.gemm_interface import gemm
+    except Exception as err:  # ImportError, or cutlass-dsl failing to find its CUDA toolkit flavour
+        raise RuntimeError(
+            "experts_backend='quack' needs the quack-kernels package (pip install quack-kernels, which "
+            f"brings nvidia-cutlass-dsl); importing it failed: {err}"
+        ) from err
+    return gemm
+
+
+def available() -> bool:
+    """Whether quack imports here (it also needs a CUDA GPU of compute capability 9.0+ to run)."""
+    try:
+        _gemm()
+    except RuntimeError:
+        return False
+    return True
+
+
+def check_supported(x: torch.Tensor) -> None:
+    """Raise a clear error where quack's kernels cannot run ``x``'s experts."""
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (9, 0):
+        raise RuntimeError(f"experts_backend='quack' runs on CUDA GPUs of compute capability 9.0+, got a tensor on {x.device}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise RuntimeError(f"experts_backend='quack' runs bf16 / fp16 experts, got {x.dtype}")
+
+
+def _group_starts(offsets_E: torch.Tensor) -> torch.Tensor:
+    """quack's cu_seqlens: the E group ends with a leading 0, int32, on the device."""
+    return F.pad(offsets_E.to(torch.int32), (1, 0))
+
+
+def rows_mm(
+    a: torch.Tensor, b_EKC: torch.Tensor, offsets_E: torch.Tensor, *,
+    gather_order: torch.Tensor | None = None, top_k: int = 1,
+) -> torch.Tensor:  # fmt: skip
+    check_supported(a)
+    gemm, cu = _gemm(), _group_starts(offsets_E)
+    if gather_order is None:
+        return gemm(a, b_EKC, cu_seqlens_m=cu)
+    return gemm(a, b_EKC, cu_seqlens_m=cu, A_idx=(gather_order // top_k).to(torch.int32))
+
+
+def weight_grad(p: torch.Tensor, q: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """[E, P, Q]: each group's ``p_rows^T @ q_rows``; an expert with no rows gets zeros."""
+    check_supported(p)
+    return _gemm()(p.t(), q, cu_seqlens_k=_group_starts(offsets_E))
