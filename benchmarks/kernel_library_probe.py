@@ -3,6 +3,8 @@
 - quack's grouped GEMM (``quack.gemm_interface.gemm`` with ``cu_seqlens_m`` / ``cu_seqlens_k``, and
   with ``A_idx``: the token gather inside the GEMM's loads) against ``torch._grouped_mm`` (CUTLASS)
   on the six expert GEMMs of one Qwen3-30B-A3B MoE layer's forward and backward;
+- quack's ``gemm_act``: the first expert GEMM with SwiGLU in its epilogue, against torch's grouped
+  GEMM + moetune's SwiGLU kernel;
 - FlashAttention-4 (``flash_attn.cute.flash_attn_func``) against SDPA's cuDNN and flash backends on
   one layer's causal GQA attention, forward and forward + backward.
 
@@ -126,6 +128,40 @@ def attention_flops(seq: int, *, backward: bool) -> float:
     return forward * (3.5 if backward else 1.0)  # backward = 2.5x forward (5 GEMMs against 2)
 
 
+def probe_fused_swiglu(routing: str, device: str, emit) -> None:
+    """The experts' first GEMM with SwiGLU in its epilogue (quack's ``gemm_act``, gathered rows,
+    [gate; up] halves as moetune stores them) against moetune's path: torch's grouped GEMM on the
+    gathered rows, then moetune's SwiGLU kernel (both keep the pre-activation for the backward)."""
+    from moetune.kernels.swiglu import swiglu
+
+    counts = expert_counts(routing, TOKENS * TOP_K, EXPERTS)
+    row = {"probe": "fused_swiglu", "routing": routing, "gemm": "fwd gate_up + swiglu, gathered rows"}
+    try:
+        from quack.gemm_interface import gemm_act
+
+        gen = torch.Generator(device=device).manual_seed(0)
+        n = int(counts.sum())
+        x_TH = torch.randn(TOKENS, HIDDEN, generator=gen, device=device, dtype=torch.bfloat16)
+        order_N = torch.randperm(n, generator=gen, device=device)
+        w1 = (torch.randn(EXPERTS, 2 * MOE_INTER, HIDDEN, generator=gen, device=device, dtype=torch.bfloat16) * HIDDEN**-0.5).transpose(-2, -1)
+        offs = torch.cumsum(counts.to(device), 0, dtype=torch.int32)
+        cu, idx = F.pad(offs, (1, 0)), (order_N // TOP_K).to(torch.int32)
+
+        def moetune_path():
+            return swiglu(torch._grouped_mm(x_TH[order_N // TOP_K], w1, offs=offs))
+
+        def quack_path():
+            return gemm_act(x_TH, w1, activation="swiglu", cu_seqlens_m=cu, A_idx=idx, concat_layout=("B",))[1]
+
+        row["rel_diff"] = rel_diff(quack_path(), moetune_path())
+        row["torch_ms"], row["quack_ms"] = timed(moetune_path), timed(quack_path)
+        row["speedup"] = row["torch_ms"] / row["quack_ms"]
+    except Exception as err:
+        row["error"] = f"{err!r}"[:500]
+        traceback.print_exc()
+    emit(row)
+
+
 def probe_attention(seq: int, device: str, emit) -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -182,6 +218,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="append JSON lines here too")
     parser.add_argument("--seq", type=int, nargs="+", default=[4096])
+    parser.add_argument("--parts", nargs="+", default=["gemm", "swiglu", "attention"], choices=["gemm", "swiglu", "attention"])
     args = parser.parse_args()
     device = "cuda"
     versions = {"probe": "versions", "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
@@ -200,8 +237,11 @@ def main() -> None:
 
     emit(versions)
     for routing in ("balanced", "skewed"):
-        probe_gemms(routing, device, emit)
-    for seq in args.seq:
+        if "gemm" in args.parts:
+            probe_gemms(routing, device, emit)
+        if "swiglu" in args.parts:
+            probe_fused_swiglu(routing, device, emit)
+    for seq in args.seq if "attention" in args.parts else ():
         probe_attention(seq, device, emit)
 
 
