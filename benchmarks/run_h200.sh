@@ -75,7 +75,7 @@ fi
 if stage gputests; then
   echo "== GPU tests"
   timeout 300 python -m pytest -q -m gpu -p no:cacheprovider tests/test_cuda_graph_step.py tests/test_optim.py \
-    tests/test_gpu_losses.py tests/test_deepseek_v3_parity.py tests/test_gpt_oss_parity.py tests/test_nemotron_h_parity.py \
+    tests/test_gpu_losses.py tests/test_deepseek_v3_parity.py tests/test_gpt_oss_parity.py tests/test_nemotron_h_parity.py tests/test_qwen3_moe_parity.py \
     tests/test_gathered_experts.py tests/test_document_attention.py tests/recipe/test_cuda_graph_recipe.py tests/test_mamba2_layers.py tests/kernels \
     tests/lora || status=1
 fi

@@ -178,12 +178,13 @@ def test_expert_parallel_two_processes_equal_one_process(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path):
+@pytest.mark.parametrize("experts_backend", ["auto", "quack"])
+def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path, experts_backend):
     """bf16 on CUDA (grouped GEMM experts, fused kernels, fp32 router): loss and gradients within
     the brief's 1e-2 of Transformers in fp32 holding the same weights, and no further than
     Transformers' own bf16 model."""
     folder = _save(reference(hidden_size=64, moe_intermediate_size=32, intermediate_size=96), tmp_path, "per-expert")
-    check_bf16_cuda_training_parity(folder, vocab=96)
+    check_bf16_cuda_training_parity(folder, vocab=96, experts_backend=experts_backend)
 
 
 @pytest.mark.distributed

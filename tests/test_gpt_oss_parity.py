@@ -101,11 +101,12 @@ def test_expert_parallel_two_processes_equal_one_process(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path):
+@pytest.mark.parametrize("experts_backend", ["auto", "quack"])
+def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path, experts_backend):
     """bf16 on CUDA (grouped GEMMs with per-expert biases): loss and gradients within 1e-2 of
     Transformers in fp32 holding the same weights, or no further than Transformers' bf16."""
     folder = save_with_transformers(reference(hidden_size=64, intermediate_size=32), tmp_path)
-    check_bf16_cuda_training_parity(folder, vocab=96)
+    check_bf16_cuda_training_parity(folder, vocab=96, experts_backend=experts_backend)
 
 
 def _mxfp4_checkpoint(tmp_path, **overrides):

@@ -10,6 +10,7 @@ import transformers
 import moetune
 from moetune.models.qwen3_moe.model import Qwen3MoeForCausalLM
 from tests.conftest import (
+    check_bf16_cuda_training_parity,
     check_fused_loss_and_gradients,
     forbid_qwen3_mask_preparation,
     parity_batch,
@@ -167,3 +168,13 @@ def test_fp8_checkpoints_are_dequantized_while_loading(reference_qwen3_moe, tmp_
     saved = load_file(tmp_path / "saved" / "model.safetensors")
     for key, values in expected.items():
         torch.testing.assert_close(saved[key], values, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("experts_backend", ["auto", "quack"])
+def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(reference_qwen3_moe, tmp_path, experts_backend):
+    """bf16 on CUDA (grouped GEMM experts, or quack's): loss and gradients within 1e-2 of Transformers
+    in fp32 holding the same weights, or no further than Transformers' own bf16 model."""
+    ref = reference_qwen3_moe(hidden_size=64, moe_intermediate_size=32, intermediate_size=96)
+    check_bf16_cuda_training_parity(_save(ref, tmp_path, "fused"), vocab=96, experts_backend=experts_backend)
