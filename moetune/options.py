@@ -17,7 +17,9 @@ class MoetuneOptions:
     """Benchmark gate: assignment slot j of tokens x top_k goes to expert j mod E, weight 1/top_k."""
     experts_backend: str = "auto"
     """'auto' (torch's grouped GEMM on CUDA bf16, per-expert loop elsewhere), 'grouped_mm', 'triton'
-    (moetune's Triton row GEMMs with the gather fused in; torch's weight-gradient GEMM) or 'loop'."""
+    (moetune's Triton row GEMMs with the gather fused in; torch's weight-gradient GEMM), 'quack'
+    (quack's CuTe-DSL grouped GEMMs, gather fused in; optional package quack-kernels, CUDA sm90+) or
+    'loop'."""
     lora: Any = None
     """A ``moetune.lora.LoraSettings``: add LoRA adapters (base weights frozen). Under ``ep_size`` /
     ``device_mesh`` they are added after expert parallelism and before FSDP2, as sharding needs."""

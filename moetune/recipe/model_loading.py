@@ -83,6 +83,8 @@ def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: t
     kwargs = {"dtype": dtype}
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation
+    if config.experts_backend != "auto":  # moetune's MoE architectures only: the others refuse it by name
+        kwargs["experts_backend"] = config.experts_backend
     if config.pretrained_path:
         placement = sharding if sharding else {"device_map": str(device)}
         model = AutoModelForCausalLM.from_pretrained(config.pretrained_path, config=model_config,
