@@ -20,7 +20,9 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from moetune.checkpoint import list_checkpoint_tensors, load_checkpoint, plan_checkpoint_load, unused_parameter_names
 from moetune.integrations import IMPLEMENTATION_NAME, register_moetune_experts
+from moetune.integrations.transformers_experts import set_fallback_experts_backend
 from moetune.models import family_for, set_moe_options
+from moetune.models.options import check_experts_backend
 from moetune.options import MoetuneOptions
 
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "subfolder", "proxies")
@@ -37,8 +39,10 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         family = family_for(config)
         if family is None:
             _check_fallback_options(config, options)
-            _prefer_moetune_experts(config, kwargs)
-            return transformers.AutoModelForCausalLM.from_config(config, **kwargs)
+            _prefer_moetune_experts(config, kwargs, options.experts_backend)
+            return _with_fallback_experts_backend(
+                transformers.AutoModelForCausalLM.from_config(config, **kwargs), options.experts_backend
+            )
         kwargs.setdefault("attn_implementation", family.default_attention)
         if options.distributed:
             from moetune.distributed import parallelize_for_options
@@ -91,13 +95,15 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
                 family = None
         if family is None:
             _check_fallback_options(config, options)
-            _prefer_moetune_experts(config, fallback_kwargs)
+            _prefer_moetune_experts(config, fallback_kwargs, options.experts_backend)
             for key in config_overrides:
                 fallback_kwargs.pop(key)  # already applied to the config
             fallback_kwargs["config"] = config
-            return transformers.AutoModelForCausalLM.from_pretrained(
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(
                 pretrained_model_name_or_path, *model_args, **fallback_kwargs
             )
+            _with_fallback_experts_backend(loaded[0] if isinstance(loaded, tuple) else loaded, options.experts_backend)
+            return loaded
         if model_args:
             raise TypeError(f"{family.causal_lm.__name__} takes no positional model arguments, got {model_args!r}")
         attn_implementation = attn_implementation or family.default_attention
@@ -285,15 +291,35 @@ def _generation_config(folder: Path, model, explicit: GenerationConfig | None) -
     return GenerationConfig.from_model_config(model.config)
 
 
-def _prefer_moetune_experts(config: PretrainedConfig, kwargs: dict[str, Any]) -> None:
+def _takes_experts_implementation(config: PretrainedConfig) -> bool:
+    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return model_class is not None and model_class._can_set_experts_implementation()
+
+
+def _prefer_moetune_experts(config: PretrainedConfig, kwargs: dict[str, Any], experts_backend: str) -> None:
     """Fallback MoE models that use Transformers' experts interface get moetune's experts path on
-    CUDA (on CPU Transformers' default stays: its results are the reference)."""
+    CUDA (on CPU Transformers' default stays: its results are the reference), and wherever the
+    caller picks an ``experts_backend``."""
+    if experts_backend != "auto":  # _check_fallback_options made sure the model takes it
+        chosen = kwargs.setdefault("experts_implementation", IMPLEMENTATION_NAME)
+        if chosen != IMPLEMENTATION_NAME:
+            raise ValueError(
+                f"experts_backend={experts_backend!r} runs moetune's experts path; it cannot be combined with "
+                f"experts_implementation={chosen!r}"
+            )
+        register_moetune_experts()
+        return
     if "experts_implementation" in kwargs or not torch.cuda.is_available():
         return
-    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
-    if model_class is not None and model_class._can_set_experts_implementation():
+    if _takes_experts_implementation(config):
         register_moetune_experts()
         kwargs["experts_implementation"] = IMPLEMENTATION_NAME
+
+
+def _with_fallback_experts_backend(model, experts_backend: str):
+    if experts_backend != "auto":
+        set_fallback_experts_backend(model, experts_backend)
+    return model
 
 
 def _check_fallback_options(config: PretrainedConfig, options: MoetuneOptions) -> None:
@@ -302,7 +328,14 @@ def _check_fallback_options(config: PretrainedConfig, options: MoetuneOptions) -
             f"ep_size / device_mesh need an architecture moetune implements; {getattr(config, 'model_type', '?')!r} "
             "falls back to Transformers' class (shard it with FSDP2 yourself)"
         )
-    if options.balanced_gate or options.experts_backend != "auto" or options.lora is not None:
+    if options.balanced_gate or options.lora is not None:
         raise ValueError(
-            f"balanced_gate / experts_backend / lora apply to moetune's MoE models (use moetune.lora.apply_lora), not {getattr(config, 'model_type', '?')!r}"
+            f"balanced_gate / lora apply to moetune's MoE models (use moetune.lora.apply_lora), not {getattr(config, 'model_type', '?')!r}"
         )
+    if options.experts_backend != "auto":
+        check_experts_backend(options.experts_backend)
+        if not _takes_experts_implementation(config):
+            raise ValueError(
+                f"experts_backend applies to moetune's MoE models and to Transformers' MoE models that take an "
+                f"experts implementation; {getattr(config, 'model_type', '?')!r} takes none"
+            )

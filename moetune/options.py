@@ -19,7 +19,8 @@ class MoetuneOptions:
     """'auto' (torch's grouped GEMM on CUDA bf16, per-expert loop elsewhere), 'grouped_mm', 'triton'
     (moetune's Triton row GEMMs with the gather fused in; torch's weight-gradient GEMM), 'quack'
     (quack's CuTe-DSL grouped GEMMs, gather fused in; optional package quack-kernels, CUDA sm90+) or
-    'loop'."""
+    'loop'. Transformers' MoE models that take an experts implementation then run moetune's experts
+    path with it; the others refuse it."""
     lora: Any = None
     """A ``moetune.lora.LoraSettings``: add LoRA adapters (base weights frozen). Under ``ep_size`` /
     ``device_mesh`` they are added after expert parallelism and before FSDP2, as sharding needs."""

@@ -9,22 +9,81 @@ from moetune.integrations import IMPLEMENTATION_NAME, register_moetune_experts
 from tests.conftest import rel_err
 
 
-def test_mixtral_with_moetune_experts_matches_eager():
-    register_moetune_experts()
-    config = transformers.MixtralConfig(
+def _mixtral_config() -> transformers.MixtralConfig:
+    return transformers.MixtralConfig(
         vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
-    )
-    torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
-    ours = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=IMPLEMENTATION_NAME)
-    ours.load_state_dict(reference.state_dict())
+    )  # fmt: skip
+
+
+def _check_same_training(ours, reference) -> None:
+    """Logits, loss and every gradient of ``ours`` equal ``reference``'s (fp32) on one batch."""
     ids = torch.randint(0, 64, (2, 9))
-    expected = reference(input_ids=ids, labels=ids)
-    got = ours(input_ids=ids, labels=ids)
+    expected, got = reference(input_ids=ids, labels=ids), ours(input_ids=ids, labels=ids)
     assert rel_err(got.logits, expected.logits) < 1e-5
     expected.loss.backward()
     got.loss.backward()
     ref_params = dict(reference.named_parameters())
     for name, param in ours.named_parameters():
         assert rel_err(param.grad, ref_params[name].grad) < 1e-5, name
+
+
+def test_mixtral_with_moetune_experts_matches_eager():
+    register_moetune_experts()
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(_mixtral_config(), experts_implementation="eager")
+    ours = transformers.AutoModelForCausalLM.from_config(_mixtral_config(), experts_implementation=IMPLEMENTATION_NAME)
+    ours.load_state_dict(reference.state_dict())
+    _check_same_training(ours, reference)
+
+
+def _mixtral_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(_mixtral_config(), experts_implementation="eager")
+    reference.save_pretrained(tmp_path)
+    return reference
+
+
+def test_an_experts_backend_runs_a_fallback_model_through_moetunes_experts(tmp_path, monkeypatch):
+    """experts_backend on a Transformers MoE model: moetune's experts path with that backend (on CPU
+    too: the caller asked), the same training as Transformers' eager experts, nothing saved of it."""
+    import moetune
+    import moetune.integrations.transformers_experts as integration
+
+    reference = _mixtral_checkpoint(tmp_path)
+    seen = []
+    real_run = integration.run_experts
+    monkeypatch.setattr(integration, "run_experts", lambda *a, **k: seen.append(k["backend"]) or real_run(*a, **k))
+    ours, info = moetune.AutoModelForCausalLM.from_pretrained(tmp_path, experts_backend="triton", output_loading_info=True)
+    assert type(ours) is type(reference) and not info["missing_keys"]
+    assert ours.config._experts_implementation == IMPLEMENTATION_NAME
+    _check_same_training(ours, reference)
+    assert seen and set(seen) == {"triton"}
+    ours.save_pretrained(tmp_path / "saved")
+    assert "moetune" not in (tmp_path / "saved" / "config.json").read_text()
+    built = moetune.AutoModelForCausalLM.from_config(reference.config, experts_backend="loop")
+    assert {getattr(m, integration.BACKEND_ATTRIBUTE, None) for m in built.modules() if hasattr(m, "gate_up_proj")} == {"loop"}
+
+
+def test_experts_backend_errors_on_fallback_models(tmp_path, monkeypatch):
+    import sys
+
+    import pytest
+
+    import moetune
+    from moetune.kernels import quack_grouped_gemm
+
+    _mixtral_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="cannot be combined with experts_implementation='eager'"):
+        moetune.AutoModelForCausalLM.from_pretrained(tmp_path, experts_backend="loop", experts_implementation="eager")
+    llama = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    with pytest.raises(ValueError, match="'llama' takes none"):
+        moetune.AutoModelForCausalLM.from_config(llama, experts_backend="loop")
+    quack_grouped_gemm._gemm.cache_clear()
+    monkeypatch.setitem(sys.modules, "quack.gemm_interface", None)
+    try:
+        with pytest.raises(RuntimeError, match="quack-kernels"):
+            moetune.AutoModelForCausalLM.from_pretrained(tmp_path, experts_backend="quack")
+    finally:
+        quack_grouped_gemm._gemm.cache_clear()

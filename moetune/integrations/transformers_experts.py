@@ -3,7 +3,9 @@
 Transformers v5 lets an experts module pick its forward by name
 (``experts_implementation=...``). Registering "moetune" there gives every fallback MoE model with
 the common layout (fused ``gate_up_proj`` [E, 2I, H], no biases) moetune's fused permutation,
-grouped GEMMs and fused SwiGLU; other layouts use Transformers' grouped_mm forward.
+grouped GEMMs and fused SwiGLU; other layouts use Transformers' grouped_mm forward. It is chosen on
+CUDA by default, and anywhere when the caller passes ``experts_backend`` (which it then runs: e.g.
+``"quack"``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ from moetune.moe.experts import gated_activation, run_experts
 from moetune.moe.routing import Routing
 
 IMPLEMENTATION_NAME = "moetune"
+BACKEND_ATTRIBUTE = "moetune_experts_backend"
+"""Set on a fallback model's experts modules by ``set_fallback_experts_backend`` (not saved: a module
+attribute, not a config field); read by ``moetune_experts_forward``."""
 
 
 def _is_plain_swiglu_layout(experts: nn.Module) -> bool:
@@ -46,6 +51,7 @@ def moetune_experts_forward(
         self.gate_up_proj,
         self.down_proj,
         activate=lambda h, num_valid=None: gated_activation(h, self.act_fn, swiglu_kernel=is_silu, num_valid=num_valid),
+        backend=getattr(self, BACKEND_ATTRIBUTE, "auto"),
     )
     return unpermute(y_NH, state).to(hidden_states.dtype)
 
@@ -56,3 +62,19 @@ def register_moetune_experts() -> None:
 
     if IMPLEMENTATION_NAME not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION_NAME, moetune_experts_forward)
+
+
+def set_fallback_experts_backend(model: nn.Module, backend: str) -> None:
+    """Run every experts module of a fallback model (built with ``experts_implementation="moetune"``)
+    on ``backend`` (``moetune.moe.experts.EXPERTS_BACKENDS``). Raises if none has the layout
+    moetune's path takes (the others run Transformers' grouped_mm forward, where a backend would be
+    silently ignored)."""
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "has_gate")]
+    plain = [m for m in experts if _is_plain_swiglu_layout(m)]
+    if not plain:
+        raise ValueError(
+            f"experts_backend={backend!r}: {type(model).__name__}'s experts are not in the layout moetune's experts path "
+            "takes (fused [gate; up] weights [E, 2I, H], no biases), so they run Transformers' own forward"
+        )
+    for module in plain:
+        setattr(module, BACKEND_ATTRIBUTE, backend)

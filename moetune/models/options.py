@@ -10,12 +10,18 @@ from moetune.moe import ROUTERS, GroupedExperts
 from moetune.moe.experts import EXPERTS_BACKENDS
 
 
-def set_moe_options(model: nn.Module, *, balanced_gate: bool | None = None, experts_backend: str | None = None) -> None:
-    """Switch every MoE layer's router to the balanced benchmark gate and/or pick the experts kernel."""
-    if experts_backend is not None and experts_backend not in EXPERTS_BACKENDS:
+def check_experts_backend(experts_backend: str) -> None:
+    """A known backend whose kernels import here (quack is an optional package)."""
+    if experts_backend not in EXPERTS_BACKENDS:
         raise ValueError(f"experts_backend must be one of {EXPERTS_BACKENDS}, got {experts_backend!r}")
     if experts_backend == "quack" and not quack_grouped_gemm.available():
         quack_grouped_gemm._gemm()  # raises, saying what failed to import
+
+
+def set_moe_options(model: nn.Module, *, balanced_gate: bool | None = None, experts_backend: str | None = None) -> None:
+    """Switch every MoE layer's router to the balanced benchmark gate and/or pick the experts kernel."""
+    if experts_backend is not None:
+        check_experts_backend(experts_backend)
     for module in model.modules():
         if balanced_gate is not None and isinstance(module, ROUTERS):
             module.balanced = balanced_gate

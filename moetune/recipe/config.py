@@ -51,7 +51,7 @@ class ModelConfig:
     router_aux_loss_coef: float | None = None
     """Weight of the MoE load-balancing loss; None keeps the model config's value, 0 disables it."""
     experts_backend: str = "auto"
-    """moetune's MoE architectures: the experts' GEMM kernels, "auto" (torch's grouped GEMM on CUDA
+    """MoE models (moetune's, and Transformers' that take an experts implementation): the experts' GEMM kernels, "auto" (torch's grouped GEMM on CUDA
     bf16), "grouped_mm", "triton", "quack" (quack's CuTe-DSL grouped GEMMs: ~3% faster steps on an
     H200; needs the quack-kernels package and a CUDA sm90+ GPU) or "loop" (moetune.options)."""
 
