@@ -80,10 +80,10 @@ def test_experts_backend_errors_on_fallback_models(tmp_path, monkeypatch):
                                      num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
     with pytest.raises(ValueError, match="'llama' takes none"):
         moetune.AutoModelForCausalLM.from_config(llama, experts_backend="loop")
-    quack_grouped_gemm._gemm.cache_clear()
+    quack_grouped_gemm.require.cache_clear()
     monkeypatch.setitem(sys.modules, "quack.gemm_interface", None)
     try:
         with pytest.raises(RuntimeError, match="quack-kernels"):
             moetune.AutoModelForCausalLM.from_pretrained(tmp_path, experts_backend="quack")
     finally:
-        quack_grouped_gemm._gemm.cache_clear()
+        quack_grouped_gemm.require.cache_clear()

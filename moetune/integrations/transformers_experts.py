@@ -69,8 +69,8 @@ def set_fallback_experts_backend(model: nn.Module, backend: str) -> None:
     on ``backend`` (``moetune.moe.experts.EXPERTS_BACKENDS``). Raises if none has the layout
     moetune's path takes (the others run Transformers' grouped_mm forward, where a backend would be
     silently ignored)."""
-    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "has_gate")]
-    plain = [m for m in experts if _is_plain_swiglu_layout(m)]
+    # has_gate: set by Transformers' experts decorator (other modules may have a gate_up_proj too)
+    plain = [m for m in model.modules() if hasattr(m, "has_gate") and _is_plain_swiglu_layout(m)]
     if not plain:
         raise ValueError(
             f"experts_backend={backend!r}: {type(model).__name__}'s experts are not in the layout moetune's experts path "

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 
 @functools.cache
-def _gemm():
+def require():
+    """quack's ``gemm``; raises a RuntimeError naming the package where it does not import."""
     try:
         from quack.gemm_interface import gemm
     except Exception as err:  # ImportError, or cutlass-dsl failing to find its CUDA toolkit flavour
@@ -40,7 +41,7 @@ def _gemm():
 def available() -> bool:
     """Whether quack imports here (it also needs a CUDA GPU of compute capability 9.0+ to run)."""
     try:
-        _gemm()
+        require()
     except RuntimeError:
         return False
     return True
@@ -64,7 +65,7 @@ def rows_mm(
     gather_order: torch.Tensor | None = None, top_k: int = 1,
 ) -> torch.Tensor:  # fmt: skip
     check_supported(a)
-    gemm, cu = _gemm(), _group_starts(offsets_E)
+    gemm, cu = require(), _group_starts(offsets_E)
     if gather_order is None:
         return gemm(a, b_EKC, cu_seqlens_m=cu)
     return gemm(a, b_EKC, cu_seqlens_m=cu, A_idx=(gather_order // top_k).to(torch.int32))
@@ -73,4 +74,4 @@ def rows_mm(
 def weight_grad(p: torch.Tensor, q: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """[E, P, Q]: each group's ``p_rows^T @ q_rows``; an expert with no rows gets zeros."""
     check_supported(p)
-    return _gemm()(p.t(), q, cu_seqlens_k=_group_starts(offsets_E))
+    return require()(p.t(), q, cu_seqlens_k=_group_starts(offsets_E))

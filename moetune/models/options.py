@@ -14,8 +14,8 @@ def check_experts_backend(experts_backend: str) -> None:
     """A known backend whose kernels import here (quack is an optional package)."""
     if experts_backend not in EXPERTS_BACKENDS:
         raise ValueError(f"experts_backend must be one of {EXPERTS_BACKENDS}, got {experts_backend!r}")
-    if experts_backend == "quack" and not quack_grouped_gemm.available():
-        quack_grouped_gemm._gemm()  # raises, saying what failed to import
+    if experts_backend == "quack":
+        quack_grouped_gemm.require()
 
 
 def set_moe_options(model: nn.Module, *, balanced_gate: bool | None = None, experts_backend: str | None = None) -> None:

@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moetune.kernels import quack_grouped_gemm
 from moetune.lora import LoraSettings
-from moetune.moe.experts import EXPERTS_BACKENDS
+from moetune.models.options import check_experts_backend
 from moetune.options import DENSE_PARALLEL, EP_DISPATCH, REPLICATE_TRANSPORTS
 
 DEFAULT_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "default"
@@ -51,9 +50,10 @@ class ModelConfig:
     router_aux_loss_coef: float | None = None
     """Weight of the MoE load-balancing loss; None keeps the model config's value, 0 disables it."""
     experts_backend: str = "auto"
-    """MoE models (moetune's, and Transformers' that take an experts implementation): the experts' GEMM kernels, "auto" (torch's grouped GEMM on CUDA
-    bf16), "grouped_mm", "triton", "quack" (quack's CuTe-DSL grouped GEMMs: ~3% faster steps on an
-    H200; needs the quack-kernels package and a CUDA sm90+ GPU) or "loop" (moetune.options)."""
+    """MoE models (moetune's, and Transformers' that take an experts implementation): the experts'
+    GEMM kernels, "auto" (torch's grouped GEMM on CUDA bf16), "grouped_mm", "triton", "quack"
+    (quack's CuTe-DSL grouped GEMMs: ~3% faster steps on an H200; needs the quack-kernels package
+    and a CUDA sm90+ GPU) or "loop" (moetune.options)."""
 
 
 @dataclass
@@ -274,10 +274,10 @@ def validate(config: JobConfig) -> JobConfig:
           f"{config.distributed.parallelism!r} is not one of {PARALLELISMS}")
     check(config.model.activation_checkpointing_mode in ("full", "selective"), "model.activation_checkpointing_mode",
           f"{config.model.activation_checkpointing_mode!r} is not one of ('full', 'selective')")
-    check(config.model.experts_backend in EXPERTS_BACKENDS, "model.experts_backend",
-          f"{config.model.experts_backend!r} is not one of {EXPERTS_BACKENDS}")
-    check(config.model.experts_backend != "quack" or quack_grouped_gemm.available(), "model.experts_backend",
-          "'quack' needs the quack-kernels package (pip install quack-kernels), which does not import here")
+    try:  # the same check as from_pretrained's, before any work
+        check_experts_backend(config.model.experts_backend)
+    except (ValueError, RuntimeError) as err:
+        check(False, "model.experts_backend", str(err))
     check(config.distributed.ep_size >= 1, "distributed.ep_size", f"must be >= 1, got {config.distributed.ep_size}")
     check(config.distributed.ep_size == 1 or config.distributed.parallelism == "fsdp", "distributed.ep_size",
           "expert parallelism shards the rest with FSDP2: set distributed.parallelism to 'fsdp'")

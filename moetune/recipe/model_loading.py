@@ -83,7 +83,7 @@ def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: t
     kwargs = {"dtype": dtype}
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation
-    if config.experts_backend != "auto":  # moetune's MoE architectures only: the others refuse it by name
+    if config.experts_backend != "auto":  # MoE models only: from_pretrained refuses it for others by name
         kwargs["experts_backend"] = config.experts_backend
     if config.pretrained_path:
         placement = sharding if sharding else {"device_map": str(device)}

@@ -17,16 +17,16 @@ from kernel_test_utils import gpu
 
 @pytest.fixture
 def quack_missing(monkeypatch):
-    quack_grouped_gemm._gemm.cache_clear()
+    quack_grouped_gemm.require.cache_clear()
     monkeypatch.setitem(sys.modules, "quack.gemm_interface", None)  # import fails
     yield
-    quack_grouped_gemm._gemm.cache_clear()
+    quack_grouped_gemm.require.cache_clear()
 
 
 def test_a_missing_package_is_named(quack_missing):
     assert not quack_grouped_gemm.available()
     with pytest.raises(RuntimeError, match="pip install quack-kernels"):
-        quack_grouped_gemm._gemm()
+        quack_grouped_gemm.require()
     from moetune.models.options import set_moe_options
 
     with pytest.raises(RuntimeError, match="quack-kernels"):
