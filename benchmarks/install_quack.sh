@@ -10,12 +10,15 @@
 #   and .fa2/ (part ab, with the other wheels); both folders in .git/info/exclude.
 # Call 1 (carry .fa1): mkdir -p /tmp/fa && cp .fa1/cdsl.part.aa /tmp/fa/
 # Call 2 (carry .fa2, within the machine's 30 s idle window): source benchmarks/install_quack.sh
+# The folder's name must hold 'site-packages': quack fingerprints its epilogues' code and treats
+# functions from folders so named as installed (by name); elsewhere it recurses into cutlass-dsl's
+# globals and fails on a ContextVar (the twentieth session's gemm_act error).
 # Wheels first, the compiler over them: pip --target --upgrade replaces the nvidia_cutlass_dsl folder.
 set -e
 test -f /tmp/fa/cdsl.part.aa || { echo "install_quack: /tmp/fa/cdsl.part.aa missing (the first call's part)"; return 3 2>/dev/null || exit 3; }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .fa2/*.whl
-cat /tmp/fa/cdsl.part.aa .fa2/cdsl.part.ab | xz -dc -T8 | (cd /tmp/site && tar xf -)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-packages .fa2/*.whl
+cat /tmp/fa/cdsl.part.aa .fa2/cdsl.part.ab | xz -dc -T8 | (cd /tmp/site-packages && tar xf -)
 # The cutlass package sits under dsl_packages (a .pth file, which PYTHONPATH folders do not read).
-export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="/tmp/site-packages:/tmp/site-packages/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import quack, cutlass; print('quack', quack.__version__, 'cutlass-dsl', cutlass.__version__)"
 set +e

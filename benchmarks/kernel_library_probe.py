@@ -3,8 +3,8 @@
 - quack's grouped GEMM (``quack.gemm_interface.gemm`` with ``cu_seqlens_m`` / ``cu_seqlens_k``, and
   with ``A_idx``: the token gather inside the GEMM's loads) against ``torch._grouped_mm`` (CUTLASS)
   on the six expert GEMMs of one Qwen3-30B-A3B MoE layer's forward and backward;
-- quack's ``gemm_act``: the first expert GEMM with SwiGLU in its epilogue, against torch's grouped
-  GEMM + moetune's SwiGLU kernel;
+- quack's fused gated chain (``gemm_act`` forward, ``gemm_dgated`` backward, ``concat_layout`` for
+  moetune's [gate; up] weights) against quack's plain grouped GEMMs + moetune's SwiGLU kernels;
 - FlashAttention-4 (``flash_attn.cute.flash_attn_func``) against SDPA's cuDNN and flash backends on
   one layer's causal GQA attention, forward and forward + backward.
 
@@ -128,38 +128,98 @@ def attention_flops(seq: int, *, backward: bool) -> float:
     return forward * (3.5 if backward else 1.0)  # backward = 2.5x forward (5 GEMMs against 2)
 
 
+def gated_chain_cases(counts: torch.Tensor, device: str):
+    """(name, moetune_fn, quack_fn, compare) of the SwiGLU experts' gated chain, operands as moetune
+    holds them (weights [E, out, in], ``gate_up_proj`` halves [gate; up]). moetune's path is quack's
+    plain grouped GEMMs + moetune's SwiGLU kernels (the ``quack`` experts backend); quack's fused one
+    keeps the pre-activation with gate and up columns interleaved (its gated epilogues pair adjacent
+    columns) and reads the [gate; up] weights through ``concat_layout``:
+
+    - forward: gate_up GEMM on the gathered rows + SwiGLU, against ``gemm_act`` (SwiGLU in the epilogue);
+    - backward of the down projection: its data-gradient GEMM + SwiGLU's backward, against
+      ``gemm_dgated`` (the activation's gradient in the epilogue, which also recomputes the activation
+      the down projection's weight gradient needs, so the forward need not keep it);
+    - the gate_up data gradient from the interleaved pre-activation gradient (``concat_layout`` B);
+    - the gate_up weight gradient written back in the [gate; up] layout (``concat_layout`` out).
+    ``compare(moetune_out, quack_out)`` maps both to the same layout for the relative difference."""
+    from quack.gemm_interface import gemm, gemm_act, gemm_dgated
+
+    from moetune.kernels.swiglu import _bwd_triton, swiglu
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    n = int(counts.sum())
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    x_TH = torch.randn(TOKENS, HIDDEN, generator=gen, **bf16)
+    order_N = torch.randperm(n, generator=gen, device=device)
+    idx = (order_N // TOP_K).to(torch.int32)
+    in_proj = torch.randn(EXPERTS, 2 * MOE_INTER, HIDDEN, generator=gen, **bf16) * HIDDEN**-0.5
+    down_proj = torch.randn(EXPERTS, HIDDEN, MOE_INTER, generator=gen, **bf16) * MOE_INTER**-0.5
+    dy_NH = torch.randn(n, HIDDEN, generator=gen, **bf16)
+    cu = F.pad(torch.cumsum(counts.to(device), 0, dtype=torch.int32), (1, 0))
+    w1 = in_proj.transpose(-2, -1)
+    interleave = lambda t: t.unflatten(-1, (2, MOE_INTER)).transpose(-2, -1).flatten(-2)  # noqa: E731
+    h_NX = gemm(x_TH, w1, cu_seqlens_m=cu, A_idx=idx)  # [gate | up]
+    h_inter = interleave(h_NX)
+    dh_NX = torch.empty_like(h_NX)
+    x_NH = x_TH[idx.long()]
+
+    def swiglu_backward():
+        da_NI = gemm(dy_NH, down_proj, cu_seqlens_m=cu)
+        gate, up = h_NX.chunk(2, dim=-1)
+        dg, du = dh_NX.chunk(2, dim=-1)
+        _bwd_triton(da_NI, gate, up, dg, du)
+        return dh_NX
+
+    dh_inter = interleave(swiglu_backward()).contiguous()
+    same = lambda a, b: (a, b)  # noqa: E731
+    return [
+        (
+            "fwd gate_up + swiglu (gathered rows)",
+            lambda: swiglu(gemm(x_TH, w1, cu_seqlens_m=cu, A_idx=idx)),
+            lambda: gemm_act(x_TH, w1, activation="swiglu", cu_seqlens_m=cu, A_idx=idx, concat_layout=("B",))[1],
+            same,
+        ),
+        (
+            "bwd down dgrad + swiglu backward",
+            swiglu_backward,
+            lambda: gemm_dgated(dy_NH, down_proj, h_inter, activation="swiglu", cu_seqlens_m=cu)[0],
+            lambda a, b: (interleave(a), b),
+        ),
+        (
+            "dgrad gate_up from the interleaved gradient",
+            lambda: gemm(dh_NX, in_proj, cu_seqlens_m=cu),
+            lambda: gemm(dh_inter, in_proj, cu_seqlens_m=cu, concat_layout=("B",)),
+            same,
+        ),
+        (
+            "wgrad gate_up [gate; up] from the interleaved gradient",
+            lambda: gemm(dh_NX.t(), x_NH, cu_seqlens_k=cu),
+            lambda: gemm(dh_inter.t(), x_NH, cu_seqlens_k=cu, concat_layout=("out",)),
+            same,
+        ),
+    ]
+
+
 def probe_fused_swiglu(routing: str, device: str, emit) -> None:
-    """The experts' first GEMM with SwiGLU in its epilogue (quack's ``gemm_act``, gathered rows,
-    [gate; up] halves as moetune stores them) against moetune's path: torch's grouped GEMM on the
-    gathered rows, then moetune's SwiGLU kernel (both keep the pre-activation for the backward)."""
-    from moetune.kernels.swiglu import swiglu
-
+    """Each link of quack's fused gated chain (``gated_chain_cases``) against the quack experts
+    backend's current path: the relative difference, then both timed."""
     counts = expert_counts(routing, TOKENS * TOP_K, EXPERTS)
-    row = {"probe": "fused_swiglu", "routing": routing, "gemm": "fwd gate_up + swiglu, gathered rows"}
     try:
-        from quack.gemm_interface import gemm_act
-
-        gen = torch.Generator(device=device).manual_seed(0)
-        n = int(counts.sum())
-        x_TH = torch.randn(TOKENS, HIDDEN, generator=gen, device=device, dtype=torch.bfloat16)
-        order_N = torch.randperm(n, generator=gen, device=device)
-        w1 = (torch.randn(EXPERTS, 2 * MOE_INTER, HIDDEN, generator=gen, device=device, dtype=torch.bfloat16) * HIDDEN**-0.5).transpose(-2, -1)
-        offs = torch.cumsum(counts.to(device), 0, dtype=torch.int32)
-        cu, idx = F.pad(offs, (1, 0)), (order_N // TOP_K).to(torch.int32)
-
-        def moetune_path():
-            return swiglu(torch._grouped_mm(x_TH[order_N // TOP_K], w1, offs=offs))
-
-        def quack_path():
-            return gemm_act(x_TH, w1, activation="swiglu", cu_seqlens_m=cu, A_idx=idx, concat_layout=("B",))[1]
-
-        row["rel_diff"] = rel_diff(quack_path(), moetune_path())
-        row["torch_ms"], row["quack_ms"] = timed(moetune_path), timed(quack_path)
-        row["speedup"] = row["torch_ms"] / row["quack_ms"]
+        cases = gated_chain_cases(counts, device)
     except Exception as err:
-        row["error"] = f"{err!r}"[:500]
+        emit({"probe": "fused_swiglu", "routing": routing, "error": f"{err!r}"[:500]})
         traceback.print_exc()
-    emit(row)
+        return
+    for name, moetune_fn, quack_fn, compare in cases:
+        row = {"probe": "fused_swiglu", "routing": routing, "gemm": name}
+        try:
+            row["rel_diff"] = rel_diff(*reversed(compare(moetune_fn().clone(), quack_fn())))
+            row["moetune_ms"], row["quack_ms"] = timed(moetune_fn), timed(quack_fn)
+            row["speedup"] = row["moetune_ms"] / row["quack_ms"]
+        except Exception as err:
+            row["error"] = f"{err!r}"[:500]
+            traceback.print_exc()
+        emit(row)
 
 
 def probe_attention(seq: int, device: str, emit) -> None:

@@ -22,6 +22,8 @@
 #   graphtriton  moetune alone, graphed, with experts_backend=triton (Triton row GEMMs)
 #   quack     row A graphed with experts_backend=quack (both sides), moetune's default in the same call,
 #             and both at 16 layers (needs quack-kernels: benchmarks/install_quack.sh)
+#   quackothers  GPT-OSS-20B (6 layers) and Nemotron 3 Nano (8), moetune alone, graphed, with
+#             experts_backend=quack then the default (needs quack-kernels)
 #   graph16l  moetune alone at 16 layers, eager and graphed (the one-GPU reference of row B)
 #   profile   benchmarks/profile_step.py: kernels and GPU idle time of one step, eager and graphed
 #   nemotron  Nemotron 3 Nano: one Mamba-2 mixer, Transformers' torch path vs moetune's
@@ -159,6 +161,17 @@ if stage quack; then
     --moetune-cuda-graph --moetune-overlap-optimizer --moetune-option experts_backend=quack
   bench 100 --layers 16 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune \
     --moetune-cuda-graph --moetune-overlap-optimizer
+fi
+
+if stage quackothers; then
+  for config in "gpt_oss_20b --layers 6" "nemotron_3_nano_30b_a3b --layers 8"; do
+    for option in "--moetune-option experts_backend=quack" ""; do
+      echo "== $config, moetune alone, graphed ${option:-(default experts backend)}"
+      # shellcheck disable=SC2086  # config and option are lists of flags
+      bench 100 --config $config --seq-len 4096 --micro-batch 1 --routing real --sides moetune --moetune-optimizer moetune \
+        --moetune-cuda-graph --moetune-overlap-optimizer $option
+    done
+  done
 fi
 
 if stage graph16l; then
