@@ -168,7 +168,7 @@ if stage quackothers; then
     for option in "--moetune-option experts_backend=quack" ""; do
       echo "== $config, moetune alone, graphed ${option:-(default experts backend)}"
       # shellcheck disable=SC2086  # config and option are lists of flags
-      bench 100 --config $config --seq-len 4096 --micro-batch 1 --routing real --sides moetune --moetune-optimizer moetune \
+      bench 240 --config $config --seq-len 4096 --micro-batch 1 --routing real --sides moetune --moetune-optimizer moetune \
         --moetune-cuda-graph --moetune-overlap-optimizer $option
     done
   done

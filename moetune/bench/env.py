@@ -83,7 +83,11 @@ def versions() -> dict[str, str | None]:
 
 
 def commit() -> dict[str, str | bool | None]:
-    """``git rev-parse HEAD`` (and whether the tree has local changes), else $MOETUNE_COMMIT."""
+    """$MOETUNE_COMMIT where set (a copied tree's ``.git`` can be stale: the caller names the commit it
+    sent), else ``git rev-parse HEAD`` and whether the tree has local changes."""
+    value = os.environ.get("MOETUNE_COMMIT")
+    if value:
+        return {"commit": value, "dirty": None, "source": "MOETUNE_COMMIT"}
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
@@ -94,8 +98,7 @@ def commit() -> dict[str, str | bool | None]:
         ).stdout
         return {"commit": head, "dirty": bool(status.strip()), "source": "git"}
     except (OSError, subprocess.SubprocessError):
-        value = os.environ.get("MOETUNE_COMMIT")
-        return {"commit": value, "dirty": None, "source": "MOETUNE_COMMIT" if value else None}
+        return {"commit": None, "dirty": None, "source": None}
 
 
 def gpu_name(device: torch.device) -> str:

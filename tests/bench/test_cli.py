@@ -195,3 +195,13 @@ def test_lora_bench_runs_every_moetune_family(tmp_path, family):
     assert data["built"]["hf"]["trainable_parameters"] == data["built"]["moetune"]["trainable_parameters"]
     losses = {r["side"]: r["losses"][0] for r in data["rows"]}
     assert abs(losses["hf"] - losses["moetune"]) < 0.02
+
+
+def test_the_commit_named_by_the_caller_wins_over_git(monkeypatch):
+    """A copied tree's .git can be stale (the GPU machines'): $MOETUNE_COMMIT names what was sent."""
+    from moetune.bench.env import commit
+
+    monkeypatch.setenv("MOETUNE_COMMIT", "abc1234")
+    assert commit() == {"commit": "abc1234", "dirty": None, "source": "MOETUNE_COMMIT"}
+    monkeypatch.delenv("MOETUNE_COMMIT")
+    assert commit()["source"] in ("git", None)
