@@ -105,21 +105,21 @@ def parity_batch(vocab: int, *, padded: bool) -> tuple[torch.Tensor, torch.Tenso
     return ids, mask, labels
 
 
-def check_bf16_cuda_training_parity(folder, vocab: int, experts_backend: str = "auto") -> None:
-    """moetune in bf16 on CUDA against Transformers in fp32 holding the same weights: the loss within
-    1e-2 and each gradient within 1e-2, or no further than Transformers' own bf16 model's.
-    ``experts_backend="quack"`` needs quack-kernels (skipped where it is not installed)."""
+def check_bf16_training_parity(folder, vocab: int, experts_backend: str = "auto", device: str = "cuda") -> None:
+    """moetune in bf16 on CUDA (or ``device``) against Transformers in fp32 holding the same weights:
+    the loss within 1e-2 and each gradient within 1e-2, or no further than Transformers' own bf16
+    model's. ``experts_backend="quack"`` needs quack-kernels (skipped where it is not installed)."""
     import moetune
 
     if experts_backend == "quack":
         pytest.importorskip("quack.gemm_interface", reason="quack-kernels is not installed")
 
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().train()
-    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().train()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).train()
+    hf_bf16 = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).train()
     ours = moetune.AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.bfloat16, device_map="cuda", experts_backend=experts_backend
+        folder, dtype=torch.bfloat16, device_map=device, experts_backend=experts_backend
     ).train()
-    ids = parity_batch(vocab, padded=False)[0].cuda()
+    ids = parity_batch(vocab, padded=False)[0].to(device)
     losses = {}
     for name, model in (("ref", ref), ("hf", hf_bf16), ("ours", ours)):
         losses[name] = model(input_ids=ids, labels=ids).loss

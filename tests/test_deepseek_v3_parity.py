@@ -17,7 +17,7 @@ from moetune.moe import GroupLimitedSigmoidRouter
 from tests.conftest import (
     check_packed_documents_parity,
     quantize_fp8_checkpoint,
-    check_bf16_cuda_training_parity,
+    check_bf16_training_parity,
     check_generation_and_reload,
     check_training_parity,
     parity_batch,
@@ -184,7 +184,7 @@ def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path, experts_backe
     the brief's 1e-2 of Transformers in fp32 holding the same weights, and no further than
     Transformers' own bf16 model."""
     folder = _save(reference(hidden_size=64, moe_intermediate_size=32, intermediate_size=96), tmp_path, "per-expert")
-    check_bf16_cuda_training_parity(folder, vocab=96, experts_backend=experts_backend)
+    check_bf16_training_parity(folder, vocab=96, experts_backend=experts_backend)
 
 
 @pytest.mark.distributed

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from moetune.integrations import IMPLEMENTATION_NAME, register_moetune_experts
-from tests.conftest import check_bf16_cuda_training_parity, rel_err
+from tests.conftest import check_bf16_training_parity, rel_err
 
 
 def _mixtral_config(**overrides) -> transformers.MixtralConfig:
@@ -80,7 +80,15 @@ def test_a_fallback_model_in_bf16_on_gpu_through_each_experts_backend(tmp_path, 
     """Mixtral (a fallback model) with moetune's experts on CUDA in bf16: loss and gradients within
     1e-2 of Transformers in fp32 holding the same weights (or no further than Transformers' bf16)."""
     _mixtral_checkpoint(tmp_path, router_std=0.3, hidden_size=128, intermediate_size=64, num_local_experts=8)
-    check_bf16_cuda_training_parity(tmp_path, vocab=64, experts_backend=experts_backend)
+    check_bf16_training_parity(tmp_path, vocab=64, experts_backend=experts_backend)
+
+
+@pytest.mark.parametrize("experts_backend", ["loop", "triton"])
+def test_a_fallback_model_in_bf16_on_cpu_stays_as_close_to_fp32_as_transformers(tmp_path, experts_backend):
+    """The same check on CPU (the loop, and the Triton backend's torch path): moetune's experts in bf16
+    are no further from fp32 than Transformers' own bf16 model."""
+    _mixtral_checkpoint(tmp_path, router_std=0.3, hidden_size=128, intermediate_size=64, num_local_experts=8)
+    check_bf16_training_parity(tmp_path, vocab=64, experts_backend=experts_backend, device="cpu")
 
 
 def test_experts_backend_errors_on_fallback_models(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ import moetune
 from moetune.models.gpt_oss.model import GptOssForCausalLM
 from moetune.moe import GroupedExperts, TopKThenSoftmaxRouter
 from tests.conftest import (
-    check_bf16_cuda_training_parity,
+    check_bf16_training_parity,
     check_packed_documents_parity,
     check_generation_and_reload,
     check_training_parity,
@@ -106,7 +106,7 @@ def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path, experts_backe
     """bf16 on CUDA (grouped GEMMs with per-expert biases): loss and gradients within 1e-2 of
     Transformers in fp32 holding the same weights, or no further than Transformers' bf16."""
     folder = save_with_transformers(reference(hidden_size=64, intermediate_size=32), tmp_path)
-    check_bf16_cuda_training_parity(folder, vocab=96, experts_backend=experts_backend)
+    check_bf16_training_parity(folder, vocab=96, experts_backend=experts_backend)
 
 
 def _mxfp4_checkpoint(tmp_path, **overrides):

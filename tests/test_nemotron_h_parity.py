@@ -16,7 +16,7 @@ from transformers.models.nemotron_h import modeling_nemotron_h
 import moetune
 from moetune.models.nemotron_h.model import NemotronHForCausalLM, NemotronHMoEBlock
 from tests.conftest import (
-    check_bf16_cuda_training_parity,
+    check_bf16_training_parity,
     check_packed_documents_parity,
     check_generation_and_reload,
     check_training_parity,
@@ -86,7 +86,7 @@ def test_expert_parallel_two_processes_equal_one_process(tmp_path):
 @pytest.mark.parametrize("experts_backend", ["auto", "quack"])
 def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(tmp_path, experts_backend):
     folder = save_with_transformers(reference(hidden_size=64, moe_intermediate_size=32), tmp_path)
-    check_bf16_cuda_training_parity(folder, vocab=96, experts_backend=experts_backend)
+    check_bf16_training_parity(folder, vocab=96, experts_backend=experts_backend)
 
 
 @pytest.mark.parametrize("offsets", [False, True], ids=["position_ids", "offsets"])

@@ -10,7 +10,7 @@ import transformers
 import moetune
 from moetune.models.qwen3_moe.model import Qwen3MoeForCausalLM
 from tests.conftest import (
-    check_bf16_cuda_training_parity,
+    check_bf16_training_parity,
     check_fused_loss_and_gradients,
     forbid_qwen3_mask_preparation,
     parity_batch,
@@ -177,4 +177,4 @@ def test_bf16_on_gpu_is_as_close_to_fp32_as_transformers(reference_qwen3_moe, tm
     """bf16 on CUDA (grouped GEMM experts, or quack's): loss and gradients within 1e-2 of Transformers
     in fp32 holding the same weights, or no further than Transformers' own bf16 model."""
     ref = reference_qwen3_moe(hidden_size=64, moe_intermediate_size=32, intermediate_size=96)
-    check_bf16_cuda_training_parity(_save(ref, tmp_path, "fused"), vocab=96, experts_backend=experts_backend)
+    check_bf16_training_parity(_save(ref, tmp_path, "fused"), vocab=96, experts_backend=experts_backend)
