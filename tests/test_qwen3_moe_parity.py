@@ -116,6 +116,42 @@ def test_moetune_save_loads_in_plain_transformers(reference_qwen3_moe, tmp_path,
     torch.testing.assert_close(plain(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
 
 
+def test_save_pretrained_pushes_the_saved_checkpoint_to_the_hub(reference_qwen3_moe, tmp_path, monkeypatch):
+    """``save_pretrained(..., push_to_hub=True)``: the repo is created under the id the Hub returns and
+    the folder uploaded is the Transformers-loadable checkpoint just written. The Hub client is a
+    recording stand-in (tests have no network); what it is handed is checked, and the folder loads."""
+    import huggingface_hub
+    from huggingface_hub import RepoUrl
+
+    calls = []
+
+    class RecordingHfApi:
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            calls.append(("create_repo", repo_id, private, exist_ok))
+            return RepoUrl(f"https://huggingface.co/someone/{repo_id}")
+
+        def upload_folder(self, *, repo_id, folder_path, commit_message=None, revision=None, create_pr=False):
+            calls.append(("upload_folder", repo_id, commit_message, revision, create_pr))
+            uploaded = transformers.AutoModelForCausalLM.from_pretrained(folder_path)  # complete on upload
+            calls.append(("loaded", type(uploaded).__name__))
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingHfApi)
+    ours = moetune.AutoModelForCausalLM.from_pretrained(_save(reference_qwen3_moe(), tmp_path, "fused"))
+    ours.save_pretrained(tmp_path / "tiny-moe", push_to_hub=True, token="hf_x", private=True, commit_message="v1")
+    assert calls == [
+        ("init", "hf_x"),
+        ("create_repo", "tiny-moe", True, True),
+        ("upload_folder", "someone/tiny-moe", "v1", None, False),
+        ("loaded", "Qwen3MoeForCausalLM"),
+    ]
+    calls.clear()
+    ours.save_pretrained(tmp_path / "other", push_to_hub=True, repo_id="org/named", is_main_process=False)
+    assert calls == []  # only the main process talks to the Hub
+
+
 def test_from_config_matches_transformers_init_scheme():
     cfg = moetune_cfg = __import__("tests.conftest", fromlist=["x"]).tiny_qwen3_moe_config()
     model = moetune.AutoModelForCausalLM.from_config(cfg)

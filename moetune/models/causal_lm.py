@@ -224,12 +224,15 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
         if push_to_hub and is_main_process:
             from huggingface_hub import HfApi
 
+            # Transformers' rule: the folder's name unless repo_id says otherwise; create_repo returns
+            # the full "namespace/name" id, which the upload needs.
             repo_id = kwargs.pop("repo_id", None) or Path(save_directory).name
             api = HfApi(token=kwargs.pop("token", None))
-            api.create_repo(repo_id, private=kwargs.pop("private", None), exist_ok=True)
+            repo_id = api.create_repo(repo_id, private=kwargs.pop("private", None), exist_ok=True).repo_id
             api.upload_folder(
-                repo_id=repo_id, folder_path=save_directory, commit_message=kwargs.pop("commit_message", None)
-            )
+                repo_id=repo_id, folder_path=save_directory, commit_message=kwargs.pop("commit_message", None),
+                revision=kwargs.pop("revision", None), create_pr=kwargs.pop("create_pr", False),
+            )  # fmt: skip
 
     def forward(
         self,

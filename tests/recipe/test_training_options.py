@@ -52,6 +52,38 @@ def test_tensorboard_receives_the_metrics(tiny_job, tmp_path):
     assert [e.step for e in events.Scalars("loss")] == [1, 2]
 
 
+def test_wandb_receives_the_run_config_and_each_logged_step(tiny_job, tmp_path, monkeypatch):
+    """``metrics.wandb_project``: one run in that project with the job's config, every log step's
+    numbers at its step, finished at the end. wandb itself is replaced by a recording module (its
+    client needs an account or a local server); what the recipe hands it is checked."""
+    import sys
+    import types
+
+    calls = []
+
+    class RecordingRun:
+        def log(self, numbers, step):
+            calls.append(("log", step, numbers))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    def init(*, project, config, dir):
+        calls.append(("init", project, config, dir))
+        return RecordingRun()
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    finetune(tiny_job(tmp_path / "wb", training__steps=2, metrics__wandb_project="moe-sft", metrics__log_every="1"))
+    (kind, project, run_config, folder), *logs, finish = calls
+    assert (kind, project, finish) == ("init", "moe-sft", ("finish",))
+    assert run_config["training"]["steps"] == 2 and folder == str(tmp_path / "wb")
+    # The same records as metrics.jsonl, numbers only, each at its step.
+    records = [json.loads(line) for line in (tmp_path / "wb" / "metrics.jsonl").read_text().splitlines()]
+    numbers = [{k: v for k, v in r.items() if isinstance(v, (int, float)) and k != "step"} for r in records]
+    assert [(step, logged) for _, step, logged in logs] == [(r.get("step", 0), n) for r, n in zip(records, numbers)]
+    assert [step for _, step, logged in logs if "loss" in logged] == [1, 2]
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "nemotron_h"])
 def test_every_moetune_family_fine_tunes_and_exports(tiny_job, tmp_path, family):
     """The recipe on a tiny model of each family moetune implements (the default tokenizer's
