@@ -133,8 +133,9 @@ def test_save_pretrained_pushes_the_saved_checkpoint_to_the_hub(reference_qwen3_
             calls.append(("create_repo", repo_id, private, exist_ok))
             return RepoUrl(f"https://huggingface.co/someone/{repo_id}")
 
-        def upload_folder(self, *, repo_id, folder_path, commit_message=None, revision=None, create_pr=False):
-            calls.append(("upload_folder", repo_id, commit_message, revision, create_pr))
+        def upload_folder(self, *, repo_id, folder_path, commit_message=None, commit_description=None, revision=None,
+                          create_pr=False):  # fmt: skip
+            calls.append(("upload_folder", repo_id, commit_message, commit_description, revision, create_pr))
             uploaded = transformers.AutoModelForCausalLM.from_pretrained(folder_path)  # complete on upload
             calls.append(("loaded", type(uploaded).__name__))
 
@@ -144,7 +145,7 @@ def test_save_pretrained_pushes_the_saved_checkpoint_to_the_hub(reference_qwen3_
     assert calls == [
         ("init", "hf_x"),
         ("create_repo", "tiny-moe", True, True),
-        ("upload_folder", "someone/tiny-moe", "v1", None, False),
+        ("upload_folder", "someone/tiny-moe", "v1", None, None, False),
         ("loaded", "Qwen3MoeForCausalLM"),
     ]
     calls.clear()

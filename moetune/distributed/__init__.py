@@ -5,7 +5,7 @@ from moetune.distributed.checkpoint import load_distributed_checkpoint, save_dis
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher, all_to_all
 from moetune.distributed.grad_norm import clip_grad_norm_, scales_gradients, total_grad_norm
 from moetune.distributed.inference import gathered_for_inference
-from moetune.distributed.mesh import FLAT_DIM_NAME, MESH_DIM_NAMES, ParallelMesh, build_mesh
+from moetune.distributed.mesh import FLAT_DIM_NAME, MESH_DIM_NAMES, ParallelMesh, build_mesh, is_sharded_by_moetune
 from moetune.distributed.parallelize import ParallelConfig, parallelize, parallelize_for_options
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
 from moetune.distributed.replicate import ReplicatedGradientSync
@@ -24,6 +24,7 @@ __all__ = [
     "build_mesh",
     "clip_grad_norm_",
     "gathered_for_inference",
+    "is_sharded_by_moetune",
     "load_distributed_checkpoint",
     "parallelize",
     "parallelize_for_options",

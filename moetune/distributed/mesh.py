@@ -26,6 +26,12 @@ MESH_DIM_NAMES = ("dp_shard_mod_ep", "ep")
 FLAT_DIM_NAME = "dp_shard"
 
 
+def is_sharded_by_moetune(model: torch.nn.Module) -> bool:
+    """Whether moetune sharded ``model`` itself (loaded with ``ep_size`` / ``device_mesh``): it then
+    reduces its own gradients, and every rank takes part in gathering its tensors (saving, export)."""
+    return getattr(model, "parallel_mesh", None) is not None
+
+
 @dataclass(frozen=True)
 class ParallelMesh:
     """The mesh and the sub-meshes each kind of parameter is sharded over."""

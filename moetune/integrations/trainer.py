@@ -32,12 +32,9 @@ import os
 import torch
 import transformers
 
+from moetune.distributed.mesh import is_sharded_by_moetune
+
 DCP_FOLDER = "moetune_dcp"
-
-
-def is_moetune_parallel(model) -> bool:
-    """Whether moetune sharded ``model`` itself (``from_pretrained`` / ``from_config`` with ``ep_size``)."""
-    return getattr(model, "parallel_mesh", None) is not None
 
 
 class Trainer(transformers.Trainer):
@@ -45,7 +42,7 @@ class Trainer(transformers.Trainer):
 
     def __init__(self, model=None, *args, **kwargs) -> None:
         super().__init__(model, *args, **kwargs)
-        self._moetune_parallel = is_moetune_parallel(self.model)
+        self._moetune_parallel = is_sharded_by_moetune(self.model)
         if not self._moetune_parallel:
             return
         if self.args.load_best_model_at_end:

@@ -16,6 +16,7 @@ the plain causal case (see ``MoetuneBaseModelMixin``).
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -200,7 +201,7 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
     def save_pretrained(
         self,
         save_directory: str | os.PathLike,
-        is_main_process: bool = True,
+        is_main_process: bool | None = None,
         state_dict: dict | None = None,
         push_to_hub: bool = False,
         max_shard_size: int | str = "50GB",
@@ -209,9 +210,12 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
     ) -> None:
         """Like Transformers': per-expert Hub layout by default, fused with ``save_original_format=False``.
 
-        Under FSDP2 / expert parallelism every rank must call it (tensors are gathered one by one);
-        only ``is_main_process`` writes.
+        Under FSDP2 / expert parallelism (a model moetune sharded) every rank must call it (tensors are
+        gathered one by one); only ``is_main_process`` writes and pushes, by default global rank 0
+        (Transformers' default, True, would have every rank write the same files).
         """
+        if is_main_process is None:
+            is_main_process = _is_main_rank(self)
         save_hf_checkpoint(
             self,
             save_directory,
@@ -229,10 +233,35 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
             repo_id = kwargs.pop("repo_id", None) or Path(save_directory).name
             api = HfApi(token=kwargs.pop("token", None))
             repo_id = api.create_repo(repo_id, private=kwargs.pop("private", None), exist_ok=True).repo_id
-            api.upload_folder(
+            return api.upload_folder(
                 repo_id=repo_id, folder_path=save_directory, commit_message=kwargs.pop("commit_message", None),
-                revision=kwargs.pop("revision", None), create_pr=kwargs.pop("create_pr", False),
+                commit_description=kwargs.pop("commit_description", None), revision=kwargs.pop("revision", None),
+                create_pr=kwargs.pop("create_pr", False),
             )  # fmt: skip
+        return None
+
+    def push_to_hub(self, repo_id: str, *args, **kwargs):
+        """Transformers' ``push_to_hub``; for a model moetune sharded, a collective: every rank calls it,
+        every rank takes part in gathering the tensors, and global rank 0 writes the checkpoint to a
+        temporary folder and uploads it (Transformers' version would have each rank save and upload,
+        and deadlock when only rank 0 calls it). Options by keyword: ``commit_message``,
+        ``commit_description``, ``private``, ``token``, ``revision``, ``create_pr``, ``max_shard_size``."""
+        from moetune.distributed.mesh import is_sharded_by_moetune
+
+        if not is_sharded_by_moetune(self):
+            return super().push_to_hub(repo_id, *args, **kwargs)
+        if args:
+            raise TypeError("push_to_hub on a model moetune sharded: pass the options after repo_id by keyword")
+        supported = {"commit_message", "commit_description", "private", "token", "revision", "create_pr", "max_shard_size"}
+        unsupported = sorted(k for k, v in kwargs.items() if k not in supported and v is not None)
+        if unsupported:
+            raise ValueError(
+                f"push_to_hub on a model moetune sharded does not take {unsupported} (supported: {sorted(supported)}); "
+                "add model-card tags on the Hub, or push a checkpoint loaded without ep_size / device_mesh"
+            )
+        kwargs = {k: v for k, v in kwargs.items() if k in supported}
+        with tempfile.TemporaryDirectory(prefix="moetune-push-") as folder:
+            return self.save_pretrained(folder, push_to_hub=True, repo_id=repo_id, **kwargs)
 
     def forward(
         self,
@@ -306,3 +335,13 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
             **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD, None)},
         )
         return output if return_dict is not False else output.to_tuple()
+
+
+def _is_main_rank(model: torch.nn.Module) -> bool:
+    """Who writes a checkpoint by default: global rank 0 for a model moetune sharded (every rank calls
+    ``save_pretrained`` to gather it), the caller otherwise (Transformers' default)."""
+    import torch.distributed as dist
+
+    from moetune.distributed.mesh import is_sharded_by_moetune
+
+    return not (is_sharded_by_moetune(model) and dist.is_initialized()) or dist.get_rank() == 0

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moetune.distributed.mesh import is_sharded_by_moetune
 from moetune.models.registry import family_for
 from moetune.recipe.config import DistributedConfig, TrainingConfig
 from moetune.utils.process import ProcessInfo
@@ -84,10 +85,6 @@ def sharding_options(runtime: Runtime, config: DistributedConfig, *, lora, model
         "replicate_transport": config.replicate_transport,
         "vocab_parallel": config.vocab_parallel,
     }
-
-
-def is_sharded_by_moetune(model: torch.nn.Module) -> bool:
-    return getattr(model, "parallel_mesh", None) is not None
 
 
 def wrap_model(model: torch.nn.Module, runtime: Runtime, config: DistributedConfig) -> torch.nn.Module:

@@ -8,6 +8,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from moetune.distributed.mesh import is_sharded_by_moetune
 from moetune.recipe.distributed_setup import Runtime, barrier
 
 
@@ -16,7 +17,7 @@ def export_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out
     """``save_pretrained`` of the whole model (gathered from all ranks under FSDP2) and tokenizer:
     a folder that ``transformers.AutoModelForCausalLM.from_pretrained`` loads. ``state_dict`` (a
     model sharded by moetune only): what to write instead of the model's own (merged adapters)."""
-    if getattr(model, "parallel_mesh", None) is not None:
+    if is_sharded_by_moetune(model):
         # Sharded by moetune: its save_pretrained gathers parameter by parameter on every rank.
         model.save_pretrained(out_dir, is_main_process=runtime.is_main, state_dict=state_dict)
         if runtime.is_main:
@@ -46,7 +47,7 @@ def export_lora(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, outp
     if runtime.is_main:
         tokenizer.save_pretrained(output_dir / "adapter")
     barrier(runtime)
-    if merged and getattr(model, "parallel_mesh", None) is not None:
+    if merged and is_sharded_by_moetune(model):
         # Sharded by moetune (expert parallelism): the adapters folded into a state dict of DTensors
         # that save_pretrained gathers; the model itself stays as it is (FSDP2 may wrap the experts).
         paths["merged"] = export_model(model, tokenizer, output_dir / "final", runtime=runtime,

@@ -395,7 +395,8 @@ def _num_experts(model_config: Any) -> int:
 def _save_random_base(model: torch.nn.Module, tokenizer: Any, path: Path, runtime: Runtime) -> str:
     """LoRA on a randomly initialised model: save that base, so the PEFT adapter has one to load onto."""
     from moetune.lora.apply import is_lora_param_name
-    from moetune.recipe.distributed_setup import barrier, is_sharded_by_moetune
+    from moetune.distributed.mesh import is_sharded_by_moetune
+    from moetune.recipe.distributed_setup import barrier
 
     if is_sharded_by_moetune(model):
         # A collective (every rank gathers its shards); the adapters, already added between expert

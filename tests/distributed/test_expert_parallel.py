@@ -42,7 +42,7 @@ def test_two_processes(checkpoint, tmp_path):
     """ep=2: SGD steps + clipping + AdamW equal one process; EP save equals the single-process save;
     DCP resume; activation checkpointing; a user's (2, 1) mesh; bf16 compute; from_config; capacity
     dispatch; the pipelined dispatcher (ep_overlap_chunks 2 and 3); unsharded without ep_size; tied
-    embeddings."""
+    embeddings; save_pretrained / push_to_hub called on every rank write and push from rank 0 only."""
     torch.manual_seed(2)
     config = tiny_qwen3_moe_config(vocab_size=64, output_router_logits=False, tie_word_embeddings=True)
     tied = save_per_expert_checkpoint(transformers.Qwen3MoeForCausalLM(config), tmp_path / "tied")

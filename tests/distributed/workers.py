@@ -184,11 +184,61 @@ def _check_save_equal(model, ref, folder: Path, rank: int) -> None:
     model.save_pretrained(folder / "ep", is_main_process=rank == 0)
     if rank == 0:
         ref.save_pretrained(folder / "single")
-        got, expected = read_safetensors(folder / "ep"), read_safetensors(folder / "single")
-        assert sorted(got) == sorted(expected), set(got) ^ set(expected)
-        for key, tensor in expected.items():
-            assert torch.equal(got[key], tensor), f"saved {key} differs"
-        assert (folder / "ep" / "config.json").read_text() == (folder / "single" / "config.json").read_text()
+        _assert_same_checkpoint(folder / "ep", folder / "single")
+    dist.barrier()
+
+
+def _assert_same_checkpoint(got_folder: Path, expected_folder: Path) -> None:
+    got, expected = read_safetensors(got_folder), read_safetensors(expected_folder)
+    assert sorted(got) == sorted(expected), set(got) ^ set(expected)
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), f"saved {key} differs"
+    assert (got_folder / "config.json").read_text() == (expected_folder / "config.json").read_text()
+
+
+def save_and_push_on_every_rank(rank: int, world_size: int, folder: str, out: str) -> None:
+    """``save_pretrained`` without ``is_main_process`` and ``push_to_hub``, called on every rank of a
+    model moetune sharded: global rank 0 alone writes (the single-process checkpoint) and alone talks
+    to the Hub (a recording stand-in for ``huggingface_hub.HfApi``: tests have no network)."""
+    import shutil
+
+    import huggingface_hub
+    import pytest
+    from huggingface_hub import RepoUrl
+
+    out_dir = Path(out) / "save-and-push"
+    model = _load(folder, ep_size=2)
+    model.save_pretrained(out_dir / f"default-rank{rank}")
+    calls = []
+
+    class RecordingHfApi:
+        def __init__(self, token=None):
+            calls.append(("init", token))
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            calls.append(("create_repo", repo_id))
+            return RepoUrl(f"https://huggingface.co/{repo_id}")
+
+        def upload_folder(self, *, repo_id, folder_path, **options):
+            calls.append(("upload_folder", repo_id, options["commit_message"]))
+            shutil.copytree(folder_path, out_dir / "pushed")  # the push's folder is temporary
+
+    real_api, huggingface_hub.HfApi = huggingface_hub.HfApi, RecordingHfApi
+    try:
+        model.push_to_hub("org/tiny-moe", commit_message="ep=2", token="hf_x")
+        with pytest.raises(ValueError, match="does not take \\['tags'\\]"):
+            model.push_to_hub("org/tiny-moe", tags=["sft"])  # refused before any collective, on every rank
+    finally:
+        huggingface_hub.HfApi = real_api
+    dist.barrier()
+    if rank == 0:
+        _load(folder).save_pretrained(out_dir / "single")
+        _assert_same_checkpoint(out_dir / "default-rank0", out_dir / "single")
+        assert not (out_dir / "default-rank1").exists()
+        assert calls == [("init", "hf_x"), ("create_repo", "org/tiny-moe"), ("upload_folder", "org/tiny-moe", "ep=2")]
+        _assert_same_checkpoint(out_dir / "pushed", out_dir / "single")
+    else:
+        assert calls == []
     dist.barrier()
 
 
@@ -285,6 +335,7 @@ def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str,
     # Tied LM head and embeddings: one parameter, in FSDP2's root group.
     one_step_parity(rank, world_size, tied_folder, what="tied embeddings, ep=2", ep_size=2)
     _check_save_equal(_load(tied_folder, ep_size=2), _load(tied_folder), Path(out) / "tied-save", rank)
+    save_and_push_on_every_rank(rank, world_size, folder, out)
 
 
 def optimizer_after_inference_forward(rank: int, world_size: int, folder: str) -> None:
