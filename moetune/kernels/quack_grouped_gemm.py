@@ -15,14 +15,24 @@ these run 1.03-1.25x faster than torch's CUTLASS grouped GEMM on the row GEMMs a
 the weight gradients (``benchmarks/kernel_library_probe.py``, results in
 ``benchmarks/results/session20/``). quack tunes each shape on its first call (eager warm-up steps
 do that before a CUDA graph is captured).
+
+Shapes: quack's autotuner keys on every operand's exact shape, so each new number of routed rows
+is a new tuning sweep (benchmarking its configurations: seconds). Steps of one fixed shape (packed
+rows on one GPU, or expert parallelism with ``ep_dispatch="allgather"``) tune once; the all-to-all
+dispatcher's row counts, which change every step, and unpacked batches re-tune again and again:
+``watch_row_counts`` warns once when a GEMM has seen many.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
+
+RETUNE_WARNING_AFTER = 8
+"""Distinct row counts one GEMM shape may see before the warning (each was a tuning sweep)."""
 
 
 @functools.cache
@@ -60,11 +70,40 @@ def _group_starts(offsets_E: torch.Tensor) -> torch.Tensor:
     return F.pad(offsets_E.to(torch.int32), (1, 0))
 
 
+class RowCountWatch:
+    """Counts the distinct row counts each GEMM shape is called with; warns once past ``limit``."""
+
+    def __init__(self, limit: int = RETUNE_WARNING_AFTER) -> None:
+        self.limit = limit
+        self.rows_seen: dict[tuple, set[tuple[int, ...]]] = {}
+        self.warned = False
+
+    def __call__(self, gemm: str, weight_shape: tuple[int, ...], rows: tuple[int, ...]) -> None:
+        if self.warned:
+            return
+        seen = self.rows_seen.setdefault((gemm, weight_shape), set())
+        seen.add(rows)
+        if len(seen) > self.limit:
+            self.warned = True
+            warnings.warn(
+                f"experts_backend='quack': the {gemm} GEMM with weights {list(weight_shape)} has run {len(seen)} "
+                "different row counts, and quack tunes every new one (seconds each). Give the experts steps "
+                "of one shape (packed rows; under expert parallelism ep_dispatch='allgather') or use "
+                "experts_backend='grouped_mm'",
+                stacklevel=3,
+            )
+
+
+watch_row_counts = RowCountWatch()
+
+
 def rows_mm(
     a: torch.Tensor, b_EKC: torch.Tensor, offsets_E: torch.Tensor, *,
     gather_order: torch.Tensor | None = None, top_k: int = 1,
 ) -> torch.Tensor:  # fmt: skip
     check_supported(a)
+    rows = (a.shape[0],) if gather_order is None else (a.shape[0], gather_order.numel())
+    watch_row_counts("row", tuple(b_EKC.shape), rows)
     gemm, cu = require(), _group_starts(offsets_E)
     if gather_order is None:
         return gemm(a, b_EKC, cu_seqlens_m=cu)
@@ -74,4 +113,5 @@ def rows_mm(
 def weight_grad(p: torch.Tensor, q: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """[E, P, Q]: each group's ``p_rows^T @ q_rows``; an expert with no rows gets zeros."""
     check_supported(p)
+    watch_row_counts("weight-gradient", (offsets_E.numel(), p.shape[1], q.shape[1]), (p.shape[0],))
     return require()(p.t(), q, cu_seqlens_k=_group_starts(offsets_E))

@@ -39,6 +39,32 @@ def test_cpu_tensors_are_refused_before_any_kernel():
         GatheredGroupedMM.apply(x, torch.ones(2, 8, 8), None, torch.tensor([1, 4], dtype=torch.int32), 1, "auto", "quack")
 
 
+def test_many_row_counts_warn_once_that_quack_retunes_each(monkeypatch):
+    """quack tunes every new operand shape: a GEMM that keeps seeing new row counts (the all-to-all
+    dispatcher, unpacked batches) gets one warning with the way out; repeated shapes never warn. (The
+    kernels themselves are replaced: this checks moetune's bookkeeping, on CPU.)"""
+    import warnings
+
+    calls = []
+    monkeypatch.setattr(quack_grouped_gemm, "require", lambda: lambda *args, **kwargs: calls.append(args[0].shape))
+    monkeypatch.setattr(quack_grouped_gemm, "check_supported", lambda x: None)
+    monkeypatch.setattr(quack_grouped_gemm, "watch_row_counts", quack_grouped_gemm.RowCountWatch(limit=4))
+    w_EKC, offsets = torch.ones(2, 8, 16), torch.tensor([3, 5], dtype=torch.int32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning while the counts repeat or stay within the limit
+        for rows in (5, 6, 7, 5, 6, 7, 8):
+            quack_grouped_gemm.rows_mm(torch.ones(rows, 8), w_EKC, offsets)
+            quack_grouped_gemm.weight_grad(torch.ones(rows, 8), torch.ones(rows, 16), offsets)
+    with pytest.warns(UserWarning, match="row GEMM with weights \\[2, 8, 16\\] has run 5 different row counts") as seen:
+        quack_grouped_gemm.rows_mm(torch.ones(9, 8), w_EKC, offsets)
+    assert len(seen) == 1 and "ep_dispatch='allgather'" in str(seen[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only
+        for rows in (10, 11, 12):
+            quack_grouped_gemm.rows_mm(torch.ones(rows, 8), w_EKC, offsets, gather_order=torch.arange(rows), top_k=1)
+    assert len(calls) == 7 * 2 + 1 + 3
+
+
 def _case():
     counts = [0, 300, 1, 700, 0, 257, 128, 0]  # empty experts; 1386 of 2048 rows routed, the rest padding
     tokens, top_k, k, cols = 1024, 2, 512, 384
