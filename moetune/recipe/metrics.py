@@ -20,12 +20,22 @@ from transformers import PretrainedConfig
 from moetune.recipe.config import MetricsConfig
 
 
+def num_routed_experts(model_config: PretrainedConfig) -> int:
+    """Routed experts per MoE layer (0 for a dense model), under each family's name: Qwen3-MoE's
+    ``num_experts``, Mixtral's and GPT-OSS's ``num_local_experts``, DeepSeek-V3's and Nemotron-H's
+    ``n_routed_experts`` (which older Transformers versions do not alias to ``num_local_experts``)."""
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(model_config, name, None)
+        if value:
+            return int(value)
+    return 0
+
+
 def moe_layer_ids(model_config: PretrainedConfig) -> list[int]:
     """Indices of the decoder layers with experts: Nemotron-H's ``layers_block_type`` "moe" blocks,
     DeepSeek-V3's layers from ``first_k_dense_replace`` on, else Qwen3-MoE's rule (not in
     mlp_only_layers, every decoder_sparse_step-th layer; every layer for GPT-OSS / Mixtral)."""
-    num_experts = getattr(model_config, "num_experts", None) or getattr(model_config, "num_local_experts", 0)
-    if not num_experts:
+    if not num_routed_experts(model_config):
         return []
     block_types = getattr(model_config, "layers_block_type", None)
     if block_types:

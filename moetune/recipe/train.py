@@ -155,7 +155,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
                                         device=runtime.device, capturable=cuda_graph),
         stream=BatchStream(data.train, seed=config.training.seed, **batching),
         val_batches=fixed_batches(data.val, **batching),
-        expert_load=metrics.ExpertLoad(num_layers=len(moe_layers), num_experts=_num_experts(model_config),
+        expert_load=metrics.ExpertLoad(num_layers=len(moe_layers), num_experts=metrics.num_routed_experts(model_config),
                                        top_k=model_config.num_experts_per_tok, device=runtime.device)
         if moe_layers else None,
         fingerprint={**model_fingerprint(model_config), "lora": to_dict(config.lora) if config.lora.enabled else None},
@@ -386,10 +386,6 @@ def _step_record(step: int, window: list[StepResult], elapsed: float, job: Job, 
         "peak_mem_gib": metrics.peak_memory_gib(runtime.device),
         "time": time.time(),
     }
-
-
-def _num_experts(model_config: Any) -> int:
-    return getattr(model_config, "num_experts", None) or model_config.num_local_experts
 
 
 def _save_random_base(model: torch.nn.Module, tokenizer: Any, path: Path, runtime: Runtime) -> str:

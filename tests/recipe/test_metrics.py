@@ -8,7 +8,7 @@ from transformers import Qwen3MoeConfig
 
 from moetune.recipe.config import OptimConfig
 from moetune.flops import training_flops_per_token
-from moetune.recipe.metrics import ExpertLoad, moe_layer_ids
+from moetune.recipe.metrics import ExpertLoad, moe_layer_ids, num_routed_experts
 from moetune.recipe.optim import lr_at
 
 
@@ -49,6 +49,18 @@ def test_moe_layer_ids_follow_each_family_rule():
 
     assert moe_layer_ids(DeepseekV3Config(num_hidden_layers=5, first_k_dense_replace=2)) == [2, 3, 4]
     assert moe_layer_ids(NemotronHConfig(num_hidden_layers=4, hybrid_override_pattern="ME*E")) == [1, 3]
+
+
+def test_each_familys_expert_count_is_read_under_its_own_name():
+    """Nemotron-H's and DeepSeek-V3's n_routed_experts, which Transformers 5.10 does not alias to
+    num_local_experts (the recipe counted no expert load for Nemotron-H there)."""
+    from transformers import DeepseekV3Config, LlamaConfig, MixtralConfig, NemotronHConfig
+
+    assert num_routed_experts(NemotronHConfig(n_routed_experts=12)) == 12
+    assert num_routed_experts(DeepseekV3Config(n_routed_experts=10)) == 10
+    assert num_routed_experts(MixtralConfig(num_local_experts=6)) == 6
+    assert num_routed_experts(Qwen3MoeConfig(num_experts=5)) == 5
+    assert num_routed_experts(LlamaConfig()) == 0
 
 
 def test_expert_load_records_the_routers_actual_choices():
