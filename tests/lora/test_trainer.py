@@ -3,6 +3,7 @@ without LoRA."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -16,6 +17,13 @@ from .helpers import build_moetune_model, tiny_qwen3_moe_config
 pytest.importorskip("accelerate")  # Trainer needs it
 
 _NUM_STEPS = 12
+
+
+# Transformers renamed TrainingArguments' gradient_checkpointing (5.10) to activation_checkpointing.
+_CHECKPOINTING_ARGUMENT = next(
+    name for name in ("activation_checkpointing", "gradient_checkpointing")
+    if name in inspect.signature(transformers.TrainingArguments.__init__).parameters
+)
 
 
 def _dataset() -> list[dict[str, torch.Tensor]]:
@@ -42,7 +50,7 @@ def _train(
         seed=0,
         dataloader_num_workers=0,
         disable_tqdm=True,
-        activation_checkpointing=activation_checkpointing,
+        **{_CHECKPOINTING_ARGUMENT: activation_checkpointing},
     )
     trainer = trainer_cls(model=model, args=args, train_dataset=_dataset())
     trainer.train()
@@ -71,7 +79,7 @@ def test_trainer_lora_with_activation_checkpointing(tmp_path):
     apply_lora(model, LoraSettings(rank=4, alpha=8))
     base_before = {k: v.clone() for k, v in model.state_dict().items() if ".lora_" not in k}
     _assert_learns(_train(model, tmp_path, learning_rate=1e-2, activation_checkpointing=True))
-    assert model.is_activation_checkpointing
+    assert getattr(model, f"is_{_CHECKPOINTING_ARGUMENT}")  # the Trainer switched it on
     for key, value in model.state_dict().items():
         if ".lora_" not in key:
             assert torch.equal(value, base_before[key]), key
