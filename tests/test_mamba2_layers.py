@@ -15,6 +15,9 @@ from transformers.models.nemotron_h import modeling_nemotron_h as hf
 from moetune.layers.mamba2 import causal_conv1d, chunked_scan, document_ids
 from tests.conftest import rel_err
 
+# The mixer's gated norm: Transformers 5.10 names it Zamba2RMSNormGated (Zamba2's class), later ones NemotronHRMSNormGated.
+GATED_NORM = getattr(hf, "NemotronHRMSNormGated", None) or hf.Zamba2RMSNormGated
+
 needs_transformers_scan = pytest.mark.skipif(
     not hasattr(hf, "mamba2_chunk_scan"),
     reason="Transformers' module-level mamba2_chunk_scan / causal_conv1d_fn (the reference) arrived after 5.10; "
@@ -219,7 +222,7 @@ def test_compiled_gated_norm_equals_transformers_module():
     from moetune.layers.mamba2 import _compiled_forward
 
     torch.manual_seed(0)
-    norm = hf.NemotronHRMSNormGated(24, group_size=8, eps=1e-5)
+    norm = GATED_NORM(24, group_size=8, eps=1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.rand(24) + 0.5)
     leaves = [torch.randn(2, 5, 24), torch.randn(2, 5, 24)]
@@ -233,6 +236,6 @@ def test_compiled_gated_norm_equals_transformers_module():
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]  # one graph for every layer's norm, not one per module
-    for other in [hf.NemotronHRMSNormGated(24, group_size=8, eps=1e-5) for _ in range(3)]:
+    for other in [GATED_NORM(24, group_size=8, eps=1e-5) for _ in range(3)]:
         _compiled_forward(type(other))(other, *(t.clone().requires_grad_() for t in leaves))
     assert counters["stats"]["unique_graphs"] == graphs
