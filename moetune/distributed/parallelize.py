@@ -30,7 +30,13 @@ from torch.distributed.tensor import DTensor, Shard
 from moetune.distributed.allgather_dispatcher import AllGatherExpertParallelDispatcher
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
 from moetune.distributed.inference import KEEP_GATHERED_ATTR, RESHARD_ATTR
-from moetune.distributed.mesh import ParallelMesh, build_mesh, rank_device, require_process_group
+from moetune.distributed.mesh import (
+    ParallelMesh,
+    build_mesh,
+    is_sharded_by_moetune,
+    rank_device,
+    require_process_group,
+)
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
 from moetune.distributed.vocab_parallel import shard_vocabulary
 from moetune.distributed.replicate import (
@@ -232,7 +238,7 @@ def _refuse_ddp(model: nn.Module) -> None:
     (AttributeError) for the others, so unsharded models of the same class still wrap."""
 
     def refuse(self):
-        if getattr(self, "parallel_mesh", None) is None:
+        if not is_sharded_by_moetune(self):
             raise AttributeError("_ddp_params_and_buffers_to_ignore")
         raise ValueError(
             "this model is already sharded by moetune (expert parallelism and FSDP2 or replicated parameters, from "

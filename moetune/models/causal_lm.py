@@ -207,8 +207,9 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
         max_shard_size: int | str = "50GB",
         save_original_format: bool = True,
         **kwargs,
-    ) -> None:
-        """Like Transformers': per-expert Hub layout by default, fused with ``save_original_format=False``.
+    ):
+        """Like Transformers': per-expert Hub layout by default, fused with ``save_original_format=False``;
+        with ``push_to_hub`` the main process returns the upload's commit info.
 
         Under FSDP2 / expert parallelism (a model moetune sharded) every rank must call it (tensors are
         gathered one by one); only ``is_main_process`` writes and pushes, by default global rank 0
