@@ -35,6 +35,9 @@
 #                (DeepSeek-V3's architecture) at 16 layers, GPT-OSS-20B at 12
 #     otherarchgraph  the same, moetune's step replayed from CUDA graphs with the updates in the backward
 #                (OTHERARCH_SPECS="config:layers ...": a subset, e.g. "nemotron_3_nano_30b_a3b:16")
+#     quackep    quack's experts under expert parallelism (needs `source benchmarks/install_quack.sh` first):
+#                bf16 parity of the all-to-all dispatcher, whose received rows it buckets for quack, then
+#                moetune alone, real routing, eager: all-to-all (bucketed) and all-gather dispatchers
 #     recipe     `moetune finetune`'s own tokens/s, eager and with training.cuda_graph, on one GPU (8 layers)
 #                and on two (16 layers, ep=2) (benchmarks/recipe_probe.py; packed synthetic chat rows)
 #                RECIPE_CONFIG=nemotron_3_nano_30b_a3b (or another shipped bench config): another architecture
@@ -124,6 +127,17 @@ if stage optsweep; then  # OPT_SWEEP="- replicate_bucket_mb=None a=1,b=2": row B
       for assignment in "${assignments[@]}"; do flags+=(--moetune-option "$assignment"); done; fi
     bench2 150 --routing real --sides moetune --moetune-cuda-graph --moetune-overlap-optimizer "${GRAPHABLE_EP[@]}" "${flags[@]}" \
       || status=1
+  done
+fi
+
+if stage quackep; then
+  echo "== quack experts under EP: parity (all-to-all, bucketed rows), then tokens/s per dispatcher"
+  timeout 200 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/ep_parity.py --option experts_backend=quack \
+    2>&1 | grep -E "RESULT|Error|error" || status=1
+  for dispatch in alltoall allgather; do
+    echo "== moetune alone, experts_backend=quack, ep_dispatch=$dispatch, eager"
+    bench2 300 --routing real --sides moetune --moetune-optimizer moetune --moetune-option experts_backend=quack \
+      --moetune-option "ep_dispatch=$dispatch"
   done
 fi
 

@@ -25,25 +25,38 @@ import torch
 import torch.distributed as dist
 
 from moetune.kernels import moe_permute
-from moetune.moe.dispatch import PermutationState, TokenDispatcher, permute, sort_ids, unpermute
+from moetune.moe.dispatch import Experts, PermutationState, TokenDispatcher, apply_experts, permute, sort_ids, unpermute
+from moetune.moe.experts import GroupedExperts
 from moetune.moe.routing import Routing
 
 
 class _AllToAll(torch.autograd.Function):
-    """``all_to_all_single`` with uneven splits; the backward is the transposed all-to-all."""
+    """``all_to_all_single`` with uneven splits; the backward is the transposed all-to-all.
+
+    The input may hold rows past ``sum(input_splits)`` (not sent; their gradient is zero) and the
+    output ``output_rows`` >= ``sum(output_splits)`` rows (the rows past the received ones are zeros,
+    their gradient is dropped): the padding of ``bucketed_row_count``, with no copy to add or cut it.
+    """
 
     @staticmethod
-    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
-        out = x.new_empty((sum(output_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
-        return out
+    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group, output_rows: int | None) -> torch.Tensor:
+        ctx.group, ctx.output_splits, ctx.input_splits, ctx.input_rows = group, output_splits, input_splits, x.shape[0]
+        return _exchange_rows(x, output_splits, input_splits, group, output_rows)
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_in = grad_out.new_empty((sum(ctx.input_splits), *grad_out.shape[1:]))
-        dist.all_to_all_single(grad_in, grad_out.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group)
-        return grad_in, None, None, None
+        grad_in = _exchange_rows(grad_out, ctx.input_splits, ctx.output_splits, ctx.group, ctx.input_rows)
+        return grad_in, None, None, None, None
+
+
+def _exchange_rows(x, output_splits: list[int], input_splits: list[int], group, output_rows: int | None) -> torch.Tensor:
+    """The leading ``sum(input_splits)`` rows of ``x`` sent, received into the leading rows of an
+    ``output_rows``-row tensor whose remaining rows are zeros."""
+    sent, received = sum(input_splits), sum(output_splits)
+    out = x.new_empty((received if output_rows is None else output_rows, *x.shape[1:]))
+    dist.all_to_all_single(out[:received], x[:sent].contiguous(), output_splits, input_splits, group=group)
+    out[received:].zero_()
+    return out
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -64,9 +77,35 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     return _ScaleGrad.apply(x, scale)
 
 
-def all_to_all(x: torch.Tensor, *, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
-    """Autograd-correct all-to-all of rows: send ``input_splits[r]`` rows to rank r, receive ``output_splits[r]``."""
-    return _AllToAll.apply(x, output_splits, input_splits, group)
+def all_to_all(
+    x: torch.Tensor, *, output_splits: list[int], input_splits: list[int], group, output_rows: int | None = None
+) -> torch.Tensor:
+    """Autograd-correct all-to-all of rows: send ``input_splits[r]`` rows to rank r, receive
+    ``output_splits[r]``; rows of ``x`` past the sent ones stay here, and ``output_rows`` pads the
+    output with zero rows (see ``_AllToAll``)."""
+    return _AllToAll.apply(x, output_splits, input_splits, group, output_rows)
+
+
+ROW_BUCKETS_PER_DOUBLING = 8
+"""``bucketed_row_count``'s sizes between two powers of two: at most 1/8 of the rows are padding."""
+
+
+def bucketed_row_count(rows: int) -> int:
+    """``rows`` rounded up to the next of ``ROW_BUCKETS_PER_DOUBLING`` evenly spaced sizes per power of two
+    (e.g. 32768, 36864, 40960, ...): the received row counts an expert-parallel step gives its experts
+    then take a few values, not a new one every step, for experts backends that tune per shape (quack:
+    seconds per new shape). The padding rows are zeros past every expert's rows, which the grouped
+    GEMMs skip."""
+    step = 1 << max(rows.bit_length() - ROW_BUCKETS_PER_DOUBLING.bit_length(), 0)
+    return -(-rows // step) * step
+
+
+def wants_bucketed_rows(experts: Experts, bucket_rows: bool | None) -> bool:
+    """A dispatcher's ``bucket_rows`` choice: True / False as given; None (the default) buckets for
+    experts whose kernels tune per exact shape (``GroupedExperts.tunes_per_shape``)."""
+    if bucket_rows is not None:
+        return bucket_rows
+    return isinstance(experts, GroupedExperts) and experts.tunes_per_shape
 
 
 def exchange_counts(
@@ -87,12 +126,14 @@ def exchange_counts(
 
 
 def received_expert_order(
-    recv_counts_CRL: torch.Tensor, *, num_rows_C: list[int]
+    recv_counts_CRL: torch.Tensor, *, num_rows_C: list[int], padded_rows_C: list[int] | None = None
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Received rows are grouped by (source rank, local expert); the experts want them by local expert.
 
     For each of C chunks (rows ``num_rows_C[c]``), returns ``sort_M`` (the received row of each
     expert-sorted row), and the rows per (chunk, local expert) ``counts_CL``: one sort for all chunks.
+    With ``padded_rows_C`` chunk c's buffer has that many rows, the padding last: its ``sort_M`` leaves
+    them in place, after every expert's rows.
     """
     num_chunks, ep_size, num_local = recv_counts_CRL.shape
     device = recv_counts_CRL.device
@@ -104,8 +145,11 @@ def received_expert_order(
     )
     order_M = torch.argsort(key_M, stable=True)  # chunk by chunk, each in local-expert order
     sort_C, start = [], 0
-    for num_rows in num_rows_C:
-        sort_C.append(order_M[start : start + num_rows] - start if start else order_M[:num_rows])
+    for num_rows, padded_rows in zip(num_rows_C, padded_rows_C or num_rows_C):
+        sort_M = order_M[start : start + num_rows] - start if start else order_M[:num_rows]
+        if padded_rows > num_rows:
+            sort_M = torch.cat([sort_M, torch.arange(num_rows, padded_rows, device=device)])
+        sort_C.append(sort_M)
         start += num_rows
     return sort_C, recv_counts_CRL.sum(dim=1)
 
@@ -142,29 +186,43 @@ class ExpertParallelState:
 
 
 class ExpertParallelDispatcher(TokenDispatcher):
-    """Tokens go to the rank holding their expert (rank r holds experts [r*L, (r+1)*L))."""
+    """Tokens go to the rank holding their expert (rank r holds experts [r*L, (r+1)*L)).
 
-    def __init__(self, *, group: dist.ProcessGroup, ep_size: int) -> None:
+    ``bucket_rows``: pad the rows the experts receive to ``bucketed_row_count`` (None: where the experts
+    tune per shape, see ``wants_bucketed_rows``); results are the same either way.
+    """
+
+    def __init__(self, *, group: dist.ProcessGroup, ep_size: int, bucket_rows: bool | None = None) -> None:
         self.group = group
         self.ep_size = ep_size
+        self.bucket_rows = bucket_rows
 
-    def dispatch(self, x_TH: torch.Tensor, routing: Routing, *, num_experts: int):
+    def run(self, x_TH: torch.Tensor, routing: Routing, experts: Experts, *, num_experts: int) -> torch.Tensor:
+        bucket_rows = wants_bucketed_rows(experts, self.bucket_rows)
+        x_MH, counts, state = self.dispatch(x_TH, routing, num_experts=num_experts, bucket_rows=bucket_rows)
+        return self.combine(apply_experts(experts, x_MH, counts), state)
+
+    def dispatch(self, x_TH: torch.Tensor, routing: Routing, *, num_experts: int, bucket_rows: bool = False):
         x_NH, counts_E, local = permute(x_TH, routing, num_experts=num_experts)
         recv_counts_CRL, send_splits, recv_splits = exchange_counts(
             counts_E[None], ep_size=self.ep_size, group=self.group
         )
-        x_MH = all_to_all(x_NH, output_splits=recv_splits[0], input_splits=send_splits[0], group=self.group)
-        (sort_M,), counts_CL = received_expert_order(recv_counts_CRL, num_rows_C=[x_MH.shape[0]])
+        num_rows = sum(recv_splits[0])
+        padded_rows = bucketed_row_count(num_rows) if bucket_rows else num_rows
+        x_MH = all_to_all(
+            x_NH, output_splits=recv_splits[0], input_splits=send_splits[0], group=self.group, output_rows=padded_rows
+        )
+        (sort_M,), counts_CL = received_expert_order(recv_counts_CRL, num_rows_C=[num_rows], padded_rows_C=[padded_rows])
         x_sorted_MH = rows_by_expert(x_MH, sort_M, ep_size=self.ep_size)
         return x_sorted_MH, counts_CL[0], ExpertParallelState(local, sort_M, send_splits[0], recv_splits[0])
 
     def combine(self, y_MH: torch.Tensor, state: ExpertParallelState) -> torch.Tensor:
-        y_received_MH = rows_by_source(y_MH, state.sort_M, ep_size=self.ep_size)
+        y_received_MH = rows_by_source(y_MH, state.sort_M, ep_size=self.ep_size)  # padding rows last, not sent
         y_NH = all_to_all(y_received_MH, output_splits=state.send_splits, input_splits=state.recv_splits, group=self.group)
         return unpermute(y_NH, state.local)
 
     def __repr__(self) -> str:
-        return f"ExpertParallelDispatcher(ep_size={self.ep_size})"
+        return f"ExpertParallelDispatcher(ep_size={self.ep_size}, bucket_rows={self.bucket_rows})"
 
 
 @dataclass

@@ -59,10 +59,12 @@ from moetune.distributed.comm_stream import CommStream
 from moetune.distributed.dispatcher import (
     ExpertParallelDispatcher,
     all_to_all,
+    bucketed_row_count,
     exchange_counts,
     received_expert_order,
     rows_by_expert,
     rows_by_source,
+    wants_bucketed_rows,
 )
 from moetune.moe.dispatch import Experts, apply_experts, permute, unpermute
 from moetune.moe.routing import Routing
@@ -81,9 +83,11 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
     """``ExpertParallelDispatcher`` whose ``run`` pipelines C chunks of tokens (see the module docstring);
     ``dispatch`` / ``combine`` are the unchunked ones."""
 
-    def __init__(self, *, group: dist.ProcessGroup, ep_size: int, num_chunks: int) -> None:
+    def __init__(
+        self, *, group: dist.ProcessGroup, ep_size: int, num_chunks: int, bucket_rows: bool | None = None
+    ) -> None:
         check_ep_overlap_chunks(num_chunks, capacity_factor=None)
-        super().__init__(group=group, ep_size=ep_size)
+        super().__init__(group=group, ep_size=ep_size, bucket_rows=bucket_rows)
         self.num_chunks = num_chunks
         self._comm_streams: dict[torch.device, CommStream] = {}
 
@@ -97,10 +101,17 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         recv_counts_CRL, send_splits, recv_splits = exchange_counts(
             counts.view(num_chunks, num_experts), ep_size=ep, group=self.group
         )
-        sort_C, counts_CL = received_expert_order(recv_counts_CRL, num_rows_C=[sum(r) for r in recv_splits])
+        num_rows_C = [sum(r) for r in recv_splits]
+        padded_rows_C = num_rows_C
+        if wants_bucketed_rows(experts, self.bucket_rows):
+            padded_rows_C = [bucketed_row_count(rows) for rows in num_rows_C]
+        sort_C, counts_CL = received_expert_order(recv_counts_CRL, num_rows_C=num_rows_C, padded_rows_C=padded_rows_C)
 
         def dispatch(c: int):
-            return partial(all_to_all, output_splits=recv_splits[c], input_splits=send_splits[c], group=self.group)
+            return partial(
+                all_to_all, output_splits=recv_splits[c], input_splits=send_splits[c], group=self.group,
+                output_rows=padded_rows_C[c],
+            )  # fmt: skip
 
         def combine(c: int):
             return partial(all_to_all, output_splits=send_splits[c], input_splits=recv_splits[c], group=self.group)
@@ -123,4 +134,7 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         return self._comm_streams[device]
 
     def __repr__(self) -> str:
-        return f"PipelinedExpertParallelDispatcher(ep_size={self.ep_size}, num_chunks={self.num_chunks})"
+        return (
+            f"PipelinedExpertParallelDispatcher(ep_size={self.ep_size}, num_chunks={self.num_chunks}, "
+            f"bucket_rows={self.bucket_rows})"
+        )

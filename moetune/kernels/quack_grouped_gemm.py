@@ -18,9 +18,11 @@ do that before a CUDA graph is captured).
 
 Shapes: quack's autotuner keys on every operand's exact shape, so each new number of routed rows
 is a new tuning sweep (benchmarking its configurations: seconds). Steps of one fixed shape (packed
-rows on one GPU, or expert parallelism with ``ep_dispatch="allgather"``) tune once; the all-to-all
-dispatcher's row counts, which change every step, and unpacked batches re-tune again and again:
-``watch_row_counts`` warns once when a GEMM has seen many.
+rows on one GPU; ``ep_dispatch="allgather"`` or an ``ep_capacity_factor`` under expert parallelism)
+tune once. The all-to-all dispatchers' received row counts change every step: for these experts they
+pad them to a few bucket sizes (``moetune.distributed.dispatcher.bucketed_row_count``, at most 1/8
+padding rows, which the GEMMs skip), so each bucket tunes once. Unpacked batches of varying length
+still re-tune again and again: ``watch_row_counts`` warns once when a GEMM has seen many.
 """
 
 from __future__ import annotations
@@ -88,8 +90,7 @@ class RowCountWatch:
             warnings.warn(
                 f"experts_backend='quack': the {gemm} GEMM with weights {list(weight_shape)} has run {len(seen)} "
                 "different row counts, and quack tunes every new one (seconds each). Give the experts steps "
-                "of one shape (packed rows; under expert parallelism ep_dispatch='allgather') or use "
-                "experts_backend='grouped_mm'",
+                "of one shape (batches packed to one length) or use experts_backend='grouped_mm'",
                 stacklevel=3,
             )
 

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import traceback
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -138,3 +139,58 @@ def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     for file in sorted(Path(folder).glob("*.safetensors")):
         tensors.update(load_file(str(file)))
     return tensors
+
+
+@dataclass
+class DispatchCase:
+    """Tokens routed at random for the dispatcher-alone tests, and per-expert weights [E, H] for
+    ``scaled_rows_experts``; ``gen`` draws anything more."""
+
+    x: torch.Tensor
+    weights: torch.Tensor
+    routing: object  # moetune.moe.Routing
+    probe: torch.Tensor
+    weight_EH: torch.Tensor
+    gen: torch.Generator
+
+    def run(self, dispatcher, experts, *, num_experts: int):
+        """The dispatcher's output and the gradients of the tokens, routing weights and expert weights."""
+        out = dispatcher.run(self.x, self.routing, experts, num_experts=num_experts)
+        return out, torch.autograd.grad((out * self.probe).sum(), [self.x, self.weights, self.weight_EH])
+
+
+def dispatch_case(
+    rank: int, *, num_tokens: int, num_experts: int = 8, hidden: int = 4, top_k: int = 2, first_experts_only: int = 0,
+    num_local: int = 1,
+) -> DispatchCase:  # fmt: skip
+    """``num_tokens`` tokens of rank ``rank``, each routed to ``top_k`` random experts; the first
+    ``first_experts_only`` tokens to the first ``num_local`` experts only (rank 0's)."""
+    from moetune.moe import Routing
+
+    weight_EH = torch.randn(num_experts, hidden, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    gen = torch.Generator().manual_seed(20 + rank)
+    x = torch.randn(num_tokens, hidden, generator=gen, requires_grad=True)
+    experts = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    if first_experts_only:
+        experts[:first_experts_only] = torch.stack(
+            [torch.randperm(num_local, generator=gen)[:top_k] for _ in range(first_experts_only)]
+        )
+    weights = torch.rand(num_tokens, top_k, generator=gen, requires_grad=True)
+    routing = Routing(torch.zeros(num_tokens, num_experts), weights, experts)
+    return DispatchCase(x, weights, routing, torch.randn(num_tokens, hidden, generator=gen), weight_EH, gen)
+
+
+def scaled_rows_experts(weight_EH: torch.Tensor, first_expert: int, *, seen: list | None = None):
+    """Experts for the dispatcher-alone tests: each row of local expert l times ``weight_EH[first_expert
+    + l]``; the padding rows past the counts come out NaN, which must reach no output or gradient.
+    ``seen`` collects each call's (rows, counts)."""
+
+    def experts(x_MH: torch.Tensor, counts_L: torch.Tensor) -> torch.Tensor:
+        if seen is not None:
+            seen.append((x_MH.detach(), counts_L))
+        valid = int(counts_L.sum())
+        local_M = torch.repeat_interleave(torch.arange(counts_L.numel()), counts_L, output_size=valid)
+        out = x_MH[:valid] * weight_EH[first_expert + local_M]
+        return torch.cat([out, torch.full((x_MH.shape[0] - valid, x_MH.shape[1]), float("nan"))])
+
+    return experts

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import moetune
-from tests.distributed.helpers import SEQ, distributed_loss, gathered, reference_loss
+from tests.distributed.helpers import SEQ, dispatch_case, distributed_loss, gathered, reference_loss, scaled_rows_experts
 from tests.distributed.workers import (
     ADAM_EPS,
     ADAM_LR,
@@ -231,28 +231,14 @@ def allgather_dispatcher(rank: int, world_size: int) -> None:
 
     num_experts, hidden, top_k, num_tokens = 8, 4, 2, 9
     num_local = num_experts // world_size
-    weight_EH = torch.randn(num_experts, hidden, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    gen = torch.Generator().manual_seed(20 + rank)
-    x = torch.randn(num_tokens, hidden, generator=gen, requires_grad=True)
-    experts = torch.stack([torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)])
-    experts[:4] = torch.stack([torch.randperm(num_local, generator=gen)[:top_k] for _ in range(4)])  # rank 0's only
-    weights = torch.rand(num_tokens, top_k, generator=gen, requires_grad=True)
-    routing = Routing(torch.zeros(num_tokens, num_experts), weights, experts)
-    probe = torch.randn(num_tokens, hidden, generator=gen)
+    case = dispatch_case(rank, num_tokens=num_tokens, first_experts_only=4, num_local=num_local)
+    gen, weight_EH = case.gen, case.weight_EH
 
     def scaled_rows(first_expert: int):
-        def run_experts(x_NH, counts_L):
-            valid = int(counts_L.sum())
-            local_N = torch.repeat_interleave(torch.arange(counts_L.numel()), counts_L, output_size=valid)
-            out = x_NH[:valid] * weight_EH[first_expert + local_N]
-            return torch.cat([out, torch.full((x_NH.shape[0] - valid, hidden), float("nan"))])
-
-        return run_experts
+        return scaled_rows_experts(weight_EH, first_expert)
 
     def run(dispatcher, first_expert: int):
-        out = dispatcher.run(x, routing, scaled_rows(first_expert), num_experts=num_experts)
-        grads = torch.autograd.grad((out * probe).sum(), [x, weights, weight_EH])
-        return out, grads
+        return case.run(dispatcher, scaled_rows(first_expert), num_experts=num_experts)
 
     expected, expected_grads = run(LocalTokenDispatcher(), 0)
     got, grads = run(AllGatherExpertParallelDispatcher(group=dist.group.WORLD, ep_size=world_size), rank * num_local)

@@ -166,3 +166,31 @@ def test_dispatch_packs_tokens_weights_and_ids_into_one_row(widths):
     assert packed.shape[1] % 8 == 0
     for got, want in zip(_unpack(packed, parts), parts, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_bucketed_row_counts():
+    """At most 1/8 padding, monotone, exact up to 8 rows and on bucket sizes; the row counts around a
+    Qwen3-30B-A3B step's 32768 routed rows per rank (+-25%) fall into 7 buckets."""
+    from moetune.distributed.dispatcher import bucketed_row_count
+
+    assert [bucketed_row_count(rows) for rows in range(10)] == list(range(10))
+    assert [bucketed_row_count(rows) for rows in (17, 32768, 32769, 36864, 36865)] == [18, 32768, 36864, 36864, 40960]
+    buckets = [bucketed_row_count(rows) for rows in range(1, 70000)]
+    assert all(rows <= b <= rows * 1.125 for rows, b in enumerate(buckets, start=1))
+    assert buckets == sorted(buckets)
+    assert len({bucketed_row_count(rows) for rows in range(24576, 40961)}) == 7
+
+
+def test_bucketing_follows_the_experts_backend():
+    """By default the all-to-all dispatchers bucket only for experts that tune per shape (quack's);
+    ``bucket_rows`` True / False overrides."""
+    from moetune.distributed.dispatcher import wants_bucketed_rows
+    from moetune.moe.experts import GroupedExperts
+
+    def experts(backend: str) -> GroupedExperts:
+        return GroupedExperts(num_experts=2, hidden_size=4, intermediate_size=2, backend=backend)
+
+    assert wants_bucketed_rows(experts("quack"), None)
+    assert not any(wants_bucketed_rows(experts(b), None) for b in ("auto", "grouped_mm", "triton", "loop"))
+    assert not wants_bucketed_rows(lambda x, counts: x, None)  # any other experts callable
+    assert wants_bucketed_rows(experts("loop"), True) and not wants_bucketed_rows(experts("quack"), False)

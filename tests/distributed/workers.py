@@ -275,10 +275,14 @@ def dcp_resume(
         assert torch.equal(gathered(param.data), after[name]), f"{name} differs after the resumed step"
 
 
-def one_step_parity(rank: int, world_size: int, folder: str, *, what: str, enable_ac: bool = False, **kwargs) -> None:
-    """Loss and gradients of one step equal the single-process ones."""
+def one_step_parity(
+    rank: int, world_size: int, folder: str, *, what: str, enable_ac: bool = False, prepare=None, **kwargs
+) -> None:
+    """Loss and gradients of one step equal the single-process ones (``prepare(model)`` first, if given)."""
     vocab = 64
     model, ref = _load(folder, **kwargs), _load(folder)
+    if prepare is not None:
+        prepare(model)
     if enable_ac:
         model.gradient_checkpointing_enable()
         ref.gradient_checkpointing_enable()
@@ -325,6 +329,10 @@ def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str,
     dispatchers(rank, world_size)
     pipelined_dispatch(rank, world_size)
     pipelined_parity(rank, world_size, folder, ep=2, chunks=(2, 3))
+    from tests.distributed.bucketing_workers import bucketed_dispatch, bucketed_model_parity
+
+    bucketed_dispatch(rank, world_size)
+    bucketed_model_parity(rank, world_size, folder)
     generate_parity(rank, world_size, folder)
     compiled_layers_parity(rank, world_size, folder)
     from tests.distributed.inference_workers import generation_gathers_once

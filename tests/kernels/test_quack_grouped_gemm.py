@@ -40,8 +40,8 @@ def test_cpu_tensors_are_refused_before_any_kernel():
 
 
 def test_many_row_counts_warn_once_that_quack_retunes_each(monkeypatch):
-    """quack tunes every new operand shape: a GEMM that keeps seeing new row counts (the all-to-all
-    dispatcher, unpacked batches) gets one warning with the way out; repeated shapes never warn. (The
+    """quack tunes every new operand shape: a GEMM that keeps seeing new row counts (unpacked batches)
+    gets one warning with the way out; repeated shapes never warn. (The
     kernels themselves are replaced: this checks moetune's bookkeeping, on CPU.)"""
     import warnings
 
@@ -57,7 +57,7 @@ def test_many_row_counts_warn_once_that_quack_retunes_each(monkeypatch):
             quack_grouped_gemm.weight_grad(torch.ones(rows, 8), torch.ones(rows, 16), offsets)
     with pytest.warns(UserWarning, match="row GEMM with weights \\[2, 8, 16\\] has run 5 different row counts") as seen:
         quack_grouped_gemm.rows_mm(torch.ones(9, 8), w_EKC, offsets)
-    assert len(seen) == 1 and "ep_dispatch='allgather'" in str(seen[0].message)
+    assert len(seen) == 1 and "batches packed to one length" in str(seen[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once only
         for rows in (10, 11, 12):
