@@ -9,8 +9,10 @@ Transformers' ``GptOssExperts`` on the fused projection ``h = [gate0, up0, gate1
 In torch ops that is about six elementwise kernels forward and ten backward over strided halves of
 the [rows, 2I] projection (GPT-OSS-20B: 16,384 routed rows x 5760 per layer at 4096 tokens). The
 kernels read the interleaved pairs directly, compute in fp32 and store once (the output, or the
-interleaved gradient). The clamps pass gradients as torch's ``clamp`` does: where the input lies
-inside the bounds, the bounds included.
+interleaved gradient). The clamps pass gradients as the running torch's ``clamp`` does: where the
+input lies inside the bounds; at a bound itself through torch 2.13, not from 2.14 on (pytorch#184574
+made scalar-bound clamps take the minimum-norm subgradient, 0, as ``hardtanh``): probed once by
+``clamp_passes_gradient_at_bound``, so the kernel equals Transformers' torch ops on either.
 
 ``num_valid`` (a device tensor) limits the work to the first rows, as ``moetune.kernels.swiglu``'s
 (the expert-parallel dispatchers' padding rows: outputs and gradients left undefined there).
@@ -19,6 +21,8 @@ Shape legend: R = rows (every leading dim flattened), I = the activation's width
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -40,6 +44,16 @@ def clamped_swiglu_reference(h: torch.Tensor, *, alpha: float, limit: float) -> 
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+@functools.cache
+def clamp_passes_gradient_at_bound() -> bool:
+    """Whether this torch's ``clamp`` with scalar bounds gives an input exactly at a bound gradient 1
+    (torch <= 2.13) or 0 (>= 2.14); both bounds follow the same convention."""
+    with torch.enable_grad():  # called from the kernel's backward, where autograd records nothing
+        x = torch.tensor([-1.0, 1.0], requires_grad=True)
+        (grad,) = torch.autograd.grad(x.clamp(min=-1.0, max=1.0).sum(), x)
+    return bool(grad.all())
 
 
 if HAS_TRITON:
@@ -77,7 +91,7 @@ if HAS_TRITON:
     @triton.jit
     def _clamped_swiglu_bwd_kernel(
         dy_ptr, h_ptr, dh_ptr, num_valid_ptr, num_rows, num_cols, stride_dy, stride_h, stride_dh, alpha, limit,
-        HAS_VALID: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_VALID: tl.constexpr, BOUND_PASSES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         rows, cols, mask = _row_block(num_valid_ptr, num_rows, num_cols, HAS_VALID, BLOCK_M, BLOCK_N)
         dy = tl.load(dy_ptr + rows * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
@@ -88,8 +102,12 @@ if HAS_TRITON:
         glu = gate * sig
         d_gate = dy * (up + 1.0) * (sig + alpha * glu * (1.0 - sig))
         d_up = dy * glu
-        d_gate = tl.where(gate_in <= limit, d_gate, 0.0)  # torch's clamp: the bound passes the gradient
-        d_up = tl.where((up_in >= -limit) & (up_in <= limit), d_up, 0.0)
+        if BOUND_PASSES:  # torch <= 2.13's clamp: an input at a bound gets the gradient
+            d_gate = tl.where(gate_in <= limit, d_gate, 0.0)
+            d_up = tl.where((up_in >= -limit) & (up_in <= limit), d_up, 0.0)
+        else:
+            d_gate = tl.where(gate_in < limit, d_gate, 0.0)
+            d_up = tl.where((up_in > -limit) & (up_in < limit), d_up, 0.0)
         dh_row = dh_ptr + rows * stride_dh + 2 * cols
         tl.store(dh_row, d_gate.to(dh_ptr.dtype.element_ty), mask=mask)
         tl.store(dh_row + 1, d_up.to(dh_ptr.dtype.element_ty), mask=mask)
@@ -127,7 +145,8 @@ class ClampedSwiGLUFunction(torch.autograd.Function):
             with device_of(h2d):
                 _clamped_swiglu_bwd_kernel[grid](
                     dy2d, h2d, dh, valid_ptr, num_rows, num_cols, dy2d.stride(0), h2d.stride(0), dh.stride(0),
-                    float(ctx.alpha), float(ctx.limit), HAS_VALID=has_valid, **sizes,
+                    float(ctx.alpha), float(ctx.limit), HAS_VALID=has_valid, BOUND_PASSES=clamp_passes_gradient_at_bound(),
+                    **sizes,
                 )  # fmt: skip
         return dh.view(ctx.shape), None, None, None
 

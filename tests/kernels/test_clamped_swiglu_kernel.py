@@ -66,3 +66,13 @@ def test_kernels_match_the_reference_on_gpu(dtype):
     """GPT-OSS-20B's expert width (2880) on 4096 rows."""
     torch.manual_seed(0)
     _check(projection(4096, 2880, dtype=dtype, device="cuda"), bf16_close if dtype == torch.bfloat16 else fp32_close)
+
+
+def test_bound_gradient_convention_follows_torch():
+    """torch 2.14 gives an input exactly at a scalar clamp bound gradient 0 (pytorch#184574); earlier
+    versions gave 1. The kernel's backward takes the running torch's convention (its interpreter tests
+    above put inputs exactly on both bounds)."""
+    from moetune.kernels.clamped_swiglu import clamp_passes_gradient_at_bound
+
+    major, minor = (int(part) for part in torch.__version__.split(".")[:2])
+    assert clamp_passes_gradient_at_bound() == ((major, minor) < (2, 14))
