@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from moetune.lora.init import fold_delta, reset_adapter_
 from moetune.moe.experts import ExpertAdapter
@@ -107,11 +107,47 @@ def _shard_like(adapter: torch.Tensor, weight: torch.Tensor, name: str) -> torch
 
 
 def expert_delta(module: nn.Module, param_name: str) -> torch.Tensor:
-    """s * B_e @ A_e for every expert, float32, in the stored layout of the weight."""
-    lora_A_ERI = module._parameters[lora_a_name(param_name)].detach().float()
-    lora_B_EOR = module._parameters[lora_b_name(param_name)].detach().float()
-    delta_EOI = getattr(module, _SCALING) * torch.bmm(lora_B_EOR, lora_A_ERI)
-    return delta_EOI.transpose(1, 2) if is_transposed(module) else delta_EOI
+    """s * B_e @ A_e for every expert, float32, in the stored layout of the weight.
+
+    Adapters sharded only on the expert dim (expert parallelism, FSDP2 over the experts' replicas)
+    hold whole experts on each rank: the delta is computed on the local experts and wrapped with the
+    adapters' placements. (DTensor's bmm would do the same work, but torch 2.9 labels its output
+    plain ``Shard(0)`` where FSDP2 made the input ``_StridedShard(0)``: folded into the weight, the
+    experts of two ranks trade places.)"""
+    lora_A_ERI = module._parameters[lora_a_name(param_name)].detach()
+    lora_B_EOR = module._parameters[lora_b_name(param_name)].detach()
+    scaling, transposed = getattr(module, _SCALING), is_transposed(module)
+    if _whole_experts_per_rank(lora_A_ERI, lora_B_EOR):
+        local_EOI = scaling * torch.bmm(lora_B_EOR.to_local().float(), lora_A_ERI.to_local().float())
+        shape = (lora_A_ERI.shape[0], lora_B_EOR.shape[1], lora_A_ERI.shape[2])
+        if transposed:
+            local_EOI, shape = local_EOI.transpose(1, 2), (shape[0], shape[2], shape[1])
+        return DTensor.from_local(
+            local_EOI, lora_A_ERI.device_mesh, lora_A_ERI.placements, run_check=False, shape=torch.Size(shape),
+            stride=_strides(shape, transposed),
+        )  # fmt: skip
+    delta_EOI = scaling * torch.bmm(lora_B_EOR.float(), lora_A_ERI.float())
+    return delta_EOI.transpose(1, 2) if transposed else delta_EOI
+
+
+def _whole_experts_per_rank(lora_A_ERI: torch.Tensor, lora_B_EOR: torch.Tensor) -> bool:
+    """Both adapters DTensors on one mesh, placed alike, each mesh dim replicating or sharding experts."""
+    if not (isinstance(lora_A_ERI, DTensor) and isinstance(lora_B_EOR, DTensor)):
+        return False
+    placements = lora_A_ERI.placements
+    return (
+        lora_B_EOR.device_mesh == lora_A_ERI.device_mesh
+        and lora_B_EOR.placements == placements
+        and all(p.is_replicate() or (isinstance(p, Shard) and p.dim == 0) for p in placements)
+    )
+
+
+def _strides(shape: tuple[int, int, int], transposed: bool) -> tuple[int, int, int]:
+    """Strides of a contiguous [E, O, I] tensor, or of the [E, I, O] transpose of one."""
+    if transposed:
+        experts, inputs, outputs = shape
+        return (inputs * outputs, 1, inputs)
+    return (shape[1] * shape[2], shape[2], 1)
 
 
 def merge_expert_adapters(module: nn.Module) -> None:

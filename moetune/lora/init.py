@@ -27,5 +27,18 @@ def reset_adapter_(lora_A: torch.Tensor, lora_B: torch.Tensor) -> None:
 
 @torch.no_grad()
 def fold_delta(weight: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """``weight + delta`` computed in float32 and cast back to the weight's dtype (a new tensor)."""
+    """``weight + delta`` computed in float32 and cast back to the weight's dtype (a new tensor).
+
+    DTensors placed alike add their local shards and keep the weight's placements (torch 2.9's
+    DTensor add labels the sum of two ``_StridedShard`` tensors plain ``Shard``: see
+    ``moetune.lora.experts.expert_delta``)."""
+    if isinstance(weight, DTensor) and isinstance(delta, DTensor) and _placed_alike(weight, delta):
+        local = (weight.to_local().float() + delta.to_local()).to(weight.dtype).contiguous()
+        return DTensor.from_local(
+            local, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape, stride=weight.stride()
+        )
     return (weight.detach().float() + delta.to(weight.device)).to(weight.dtype)
+
+
+def _placed_alike(a: DTensor, b: DTensor) -> bool:
+    return a.device_mesh == b.device_mesh and a.placements == b.placements and a.shape == b.shape
