@@ -33,8 +33,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-RETUNE_WARNING_AFTER = 8
-"""Distinct row counts one GEMM shape may see before the warning (each was a tuning sweep)."""
+RETUNE_WARNING_AFTER = 16
+"""Distinct row counts one GEMM shape may see before the warning (each was a tuning sweep): two
+doublings of the expert-parallel dispatchers' bucketed counts (8 sizes per doubling)."""
 
 
 @functools.cache
@@ -90,7 +91,8 @@ class RowCountWatch:
             warnings.warn(
                 f"experts_backend='quack': the {gemm} GEMM with weights {list(weight_shape)} has run {len(seen)} "
                 "different row counts, and quack tunes every new one (seconds each). Give the experts steps "
-                "of one shape (batches packed to one length) or use experts_backend='grouped_mm'",
+                "of one shape (batches packed to one length; under expert parallelism with very uneven routing, "
+                "ep_dispatch='allgather') or use experts_backend='grouped_mm'",
                 stacklevel=3,
             )
 
