@@ -11,8 +11,8 @@ the [rows, 2I] projection (GPT-OSS-20B: 16,384 routed rows x 5760 per layer at 4
 kernels read the interleaved pairs directly, compute in fp32 and store once (the output, or the
 interleaved gradient). The clamps pass gradients as the running torch's ``clamp`` does: where the
 input lies inside the bounds; at a bound itself through torch 2.13, not from 2.14 on (pytorch#184574
-made scalar-bound clamps take the minimum-norm subgradient, 0, as ``hardtanh``): probed once by
-``clamp_passes_gradient_at_bound``, so the kernel equals Transformers' torch ops on either.
+made scalar-bound clamps take the minimum-norm subgradient, 0, as ``hardtanh``): probed once at import
+(``CLAMP_PASSES_GRADIENT_AT_BOUND``), so the kernel equals Transformers' torch ops on either.
 
 ``num_valid`` (a device tensor) limits the work to the first rows, as ``moetune.kernels.swiglu``'s
 (the expert-parallel dispatchers' padding rows: outputs and gradients left undefined there).
@@ -21,8 +21,6 @@ Shape legend: R = rows (every leading dim flattened), I = the activation's width
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -46,14 +44,17 @@ def clamped_swiglu_reference(h: torch.Tensor, *, alpha: float, limit: float) -> 
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-@functools.cache
-def clamp_passes_gradient_at_bound() -> bool:
+def _clamp_passes_gradient_at_bound() -> bool:
     """Whether this torch's ``clamp`` with scalar bounds gives an input exactly at a bound gradient 1
     (torch <= 2.13) or 0 (>= 2.14); both bounds follow the same convention."""
-    with torch.enable_grad():  # called from the kernel's backward, where autograd records nothing
+    with torch.enable_grad():
         x = torch.tensor([-1.0, 1.0], requires_grad=True)
         (grad,) = torch.autograd.grad(x.clamp(min=-1.0, max=1.0).sum(), x)
     return bool(grad.all())
+
+
+CLAMP_PASSES_GRADIENT_AT_BOUND = _clamp_passes_gradient_at_bound()
+"""Probed once at import, not in the kernel's backward, which torch.compile may trace."""
 
 
 if HAS_TRITON:
@@ -145,8 +146,8 @@ class ClampedSwiGLUFunction(torch.autograd.Function):
             with device_of(h2d):
                 _clamped_swiglu_bwd_kernel[grid](
                     dy2d, h2d, dh, valid_ptr, num_rows, num_cols, dy2d.stride(0), h2d.stride(0), dh.stride(0),
-                    float(ctx.alpha), float(ctx.limit), HAS_VALID=has_valid, BOUND_PASSES=clamp_passes_gradient_at_bound(),
-                    **sizes,
+                    float(ctx.alpha), float(ctx.limit), HAS_VALID=has_valid,
+                    BOUND_PASSES=CLAMP_PASSES_GRADIENT_AT_BOUND, **sizes,
                 )  # fmt: skip
         return dh.view(ctx.shape), None, None, None
 

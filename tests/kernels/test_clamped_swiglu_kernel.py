@@ -72,7 +72,7 @@ def test_bound_gradient_convention_follows_torch():
     """torch 2.14 gives an input exactly at a scalar clamp bound gradient 0 (pytorch#184574); earlier
     versions gave 1. The kernel's backward takes the running torch's convention (its interpreter tests
     above put inputs exactly on both bounds)."""
-    from moetune.kernels.clamped_swiglu import clamp_passes_gradient_at_bound
+    from moetune.kernels.clamped_swiglu import CLAMP_PASSES_GRADIENT_AT_BOUND
 
     major, minor = (int(part) for part in torch.__version__.split(".")[:2])
-    assert clamp_passes_gradient_at_bound() == ((major, minor) < (2, 14))
+    assert CLAMP_PASSES_GRADIENT_AT_BOUND == ((major, minor) < (2, 14))
