@@ -202,7 +202,10 @@ class ExpertParallelDispatcher(TokenDispatcher):
         x_MH, counts, state = self.dispatch(x_TH, routing, num_experts=num_experts, bucket_rows=bucket_rows)
         return self.combine(apply_experts(experts, x_MH, counts), state)
 
-    def dispatch(self, x_TH: torch.Tensor, routing: Routing, *, num_experts: int, bucket_rows: bool = False):
+    def dispatch(self, x_TH: torch.Tensor, routing: Routing, *, num_experts: int, bucket_rows: bool | None = None):
+        """``bucket_rows`` None: this dispatcher's own choice (False where it leaves it to the experts,
+        which ``run`` asks)."""
+        bucket_rows = bool(self.bucket_rows) if bucket_rows is None else bucket_rows
         x_NH, counts_E, local = permute(x_TH, routing, num_experts=num_experts)
         recv_counts_CRL, send_splits, recv_splits = exchange_counts(
             counts_E[None], ep_size=self.ep_size, group=self.group

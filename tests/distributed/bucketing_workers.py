@@ -58,6 +58,9 @@ def bucketed_dispatch(rank: int, world_size: int) -> None:
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             if name != "experts":  # the local run's expert gradients hold every rank's rows
                 torch.testing.assert_close(got, local)
+    # dispatch() alone takes the dispatcher's own choice.
+    rows, counts, _ = dispatchers[0](True).dispatch(case.x, case.routing, num_experts=num_experts)
+    assert rows.shape[0] == bucketed_row_count(int(counts.sum())), (rows.shape, counts)
     # Some rank received a row count (about 21) that needed padding: the checks above were not vacuous.
     padded = torch.tensor(float(padded_somewhere))
     dist.all_reduce(padded)
