@@ -133,6 +133,10 @@ class AllGatherExpertParallelDispatcher(TokenDispatcher):
             group, what="ep_dispatch='allgather' (the tokens of the expert-parallel group)"
         )  # fmt: skip
 
+    # Eager inside a torch.compile'd layer (its experts run eagerly there anyway): torch 2.11's dynamo,
+    # tracing CombineReduceScatter after the experts' graph break, returned an output with no gradient
+    # path (the MoE block's parameters got none; tests/distributed/workers.compiled_layers_parity).
+    @torch.compiler.disable
     def run(self, x_TH: torch.Tensor, routing: Routing, experts, *, num_experts: int) -> torch.Tensor:
         ep, group, top_k = self.ep_size, self.group, routing.experts_TK.shape[1]
         num_tokens = x_TH.shape[0]

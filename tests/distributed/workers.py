@@ -631,9 +631,11 @@ def four_process_suite(rank: int, world_size: int, folder: str, two_experts_fold
 
 def compiled_layers_parity(rank: int, world_size: int, folder: str) -> None:
     """``torch.compile`` of each decoder layer of an expert-parallel model (the experts run eagerly
-    inside, a graph break: dynamo does not trace their DTensor unwrap): one step equals one process.
-    ``aot_eager`` traces with dynamo and AOTAutograd, as inductor would, without generating code."""
-    for options in ({}, ALLGATHER_REPLICATE):
+    inside, a graph break: dynamo does not trace their DTensor unwrap): one step equals one process,
+    for the all-to-all, capacity (no host sync: traced whole around the experts) and all-gather
+    dispatchers. ``aot_eager`` traces with dynamo and AOTAutograd, as inductor would, without
+    generating code."""
+    for options in ({}, {"ep_capacity_factor": 2.0}, ALLGATHER_REPLICATE):
         model, ref = _load(folder, ep_size=2, **options), _load(folder)
         for layer in model.model.layers:
             layer.compile(backend="aot_eager")
