@@ -39,8 +39,9 @@ class _AllToAll(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group, output_rows: int | None) -> torch.Tensor:
-        ctx.group, ctx.output_splits, ctx.input_splits, ctx.input_rows = group, output_splits, input_splits, x.shape[0]
+    def forward(ctx, x, output_splits: list[int], input_splits: list[int], group, output_rows: int | None):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        ctx.input_rows = x.shape[0]
         return _exchange_rows(x, output_splits, input_splits, group, output_rows)
 
     @staticmethod
@@ -49,13 +50,19 @@ class _AllToAll(torch.autograd.Function):
         return grad_in, None, None, None, None
 
 
-def _exchange_rows(x, output_splits: list[int], input_splits: list[int], group, output_rows: int | None) -> torch.Tensor:
+def _exchange_rows(x, output_splits: list[int], input_splits: list[int], group, output_rows: int | None):
     """The leading ``sum(input_splits)`` rows of ``x`` sent, received into the leading rows of an
     ``output_rows``-row tensor whose remaining rows are zeros."""
     sent, received = sum(input_splits), sum(output_splits)
-    out = x.new_empty((received if output_rows is None else output_rows, *x.shape[1:]))
-    dist.all_to_all_single(out[:received], x[:sent].contiguous(), output_splits, input_splits, group=group)
-    out[received:].zero_()
+    rows = received if output_rows is None else output_rows
+    out = x.new_empty((rows, *x.shape[1:]))
+    # Slices only where there is padding: the unpadded call (every layer, twice per direction) stays
+    # the plain collective, with no extra views or fill on the host-bound path.
+    send = x if x.shape[0] == sent else x[:sent]
+    dist.all_to_all_single(out if rows == received else out[:received], send.contiguous(), output_splits, input_splits,
+                           group=group)  # fmt: skip
+    if rows > received:
+        out[received:].zero_()
     return out
 
 
@@ -215,7 +222,9 @@ class ExpertParallelDispatcher(TokenDispatcher):
         x_MH = all_to_all(
             x_NH, output_splits=recv_splits[0], input_splits=send_splits[0], group=self.group, output_rows=padded_rows
         )
-        (sort_M,), counts_CL = received_expert_order(recv_counts_CRL, num_rows_C=[num_rows], padded_rows_C=[padded_rows])
+        (sort_M,), counts_CL = received_expert_order(
+            recv_counts_CRL, num_rows_C=[num_rows], padded_rows_C=[padded_rows]
+        )
         x_sorted_MH = rows_by_expert(x_MH, sort_M, ep_size=self.ep_size)
         return x_sorted_MH, counts_CL[0], ExpertParallelState(local, sort_M, send_splits[0], recv_splits[0])
 

@@ -144,10 +144,8 @@ def _whole_experts_per_rank(lora_A_ERI: torch.Tensor, lora_B_EOR: torch.Tensor) 
 
 def _strides(shape: tuple[int, int, int], transposed: bool) -> tuple[int, int, int]:
     """Strides of a contiguous [E, O, I] tensor, or of the [E, I, O] transpose of one."""
-    if transposed:
-        experts, inputs, outputs = shape
-        return (inputs * outputs, 1, inputs)
-    return (shape[1] * shape[2], shape[2], 1)
+    _, second, third = shape
+    return (second * third, 1, second) if transposed else (second * third, third, 1)
 
 
 def merge_expert_adapters(module: nn.Module) -> None:
