@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import datasets
 import pytest
 import torch
 from transformers import AutoConfig, AutoTokenizer
@@ -16,6 +15,9 @@ from moetune.recipe.formatting import IGNORE_INDEX, Sample, tokenize_rows
 from moetune.recipe.packing import BatchStream, collate, pack, split_validation
 
 from recipe_helpers import shipped_rows, write_jsonl
+
+# the recipe extra (pip install -e ".[recipe]"); GPU machines may lack it, and this module holds no GPU test
+datasets = pytest.importorskip("datasets")
 
 
 @pytest.fixture(scope="module")
