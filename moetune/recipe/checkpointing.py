@@ -103,6 +103,15 @@ def read_train_state(path: Path) -> TrainState:
     return TrainState(**json.loads((path / STATE_FILE).read_text()))
 
 
+def fingerprint_differences(checkpoint: dict[str, Any], job: dict[str, Any]) -> list[str]:
+    """``key: checkpoint X, this job Y`` for each fingerprint key that differs. A key only this job
+    has is not compared: an older moetune wrote the checkpoint and did not record it (its tensors'
+    shapes are still checked when they load)."""
+    return [f"{key}: checkpoint {checkpoint.get(key)!r}, this job {job.get(key)!r}"
+            for key in sorted(checkpoint.keys() | job.keys())
+            if key in checkpoint and checkpoint[key] != job.get(key)]
+
+
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, runtime: Runtime,
                     fingerprint: dict[str, Any]) -> tuple[TrainState, dict[str, torch.Tensor]]:
     """Load ``path`` into model and optimizer in place, restore the RNGs; return its TrainState and
@@ -111,9 +120,7 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
     Refuses a checkpoint of another model (or other LoRA settings, or world size), saying what
     differs, before touching any tensor."""
     state = read_train_state(path)
-    differences = [f"{key}: checkpoint {state.fingerprint.get(key)!r}, this job {fingerprint.get(key)!r}"
-                   for key in sorted(set(state.fingerprint) | set(fingerprint))
-                   if state.fingerprint.get(key) != fingerprint.get(key)]
+    differences = fingerprint_differences(state.fingerprint, fingerprint)
     if differences:
         raise ValueError(f"checkpoint.resume: {path} was written for a different model; "
                          + "; ".join(differences))

@@ -102,10 +102,17 @@ def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: t
 
 
 def model_fingerprint(model_config: PretrainedConfig) -> dict:
-    """What must match for a checkpoint to resume into this model: architecture and shapes."""
+    """What must match for a checkpoint to resume into this model: architecture and shapes, of
+    every family moetune implements (a key the config lacks is left out)."""
     keys = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts",
             "num_local_experts", "num_experts_per_tok", "mlp_only_layers", "decoder_sparse_step",
-            "tie_word_embeddings")
+            "tie_word_embeddings",
+            # DeepSeek-V3 / Kimi-K2: routed and shared experts, dense first layers, MLA's ranks
+            "n_routed_experts", "n_shared_experts", "first_k_dense_replace", "moe_layer_freq", "n_group",
+            "topk_group", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            # Nemotron-H: which layer is Mamba-2, attention or MoE, and the mixers' shapes
+            "hybrid_override_pattern", "layers_block_type", "mamba_num_heads", "mamba_head_dim",
+            "ssm_state_size", "n_groups", "conv_kernel", "moe_shared_expert_intermediate_size")
     d = model_config.to_dict()
     return {k: d[k] for k in keys if k in d}

@@ -112,3 +112,24 @@ def test_a_second_signal_aborts_at_once_and_handlers_are_restored():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_fingerprint_holds_every_familys_shapes_and_older_checkpoints_still_resume():
+    """DeepSeek-V3's routed experts and MLA ranks and Nemotron-H's layer pattern are part of what a
+    resume checks; a key an older moetune did not record is not held against its checkpoint."""
+    from transformers import DeepseekV3Config, NemotronHConfig
+
+    from moetune.recipe.model_loading import model_fingerprint
+
+    deepseek = model_fingerprint(DeepseekV3Config(n_routed_experts=16, kv_lora_rank=32))
+    assert deepseek["n_routed_experts"] == 16 and deepseek["kv_lora_rank"] == 32
+    other = model_fingerprint(DeepseekV3Config(n_routed_experts=8, kv_lora_rank=32))
+    assert checkpointing.fingerprint_differences(deepseek, other) == [
+        "n_routed_experts: checkpoint 16, this job 8"]
+    nemotron = model_fingerprint(NemotronHConfig())
+    assert {"mamba_num_heads", "ssm_state_size", "n_routed_experts"} <= nemotron.keys()
+    assert any(key in nemotron for key in ("hybrid_override_pattern", "layers_block_type"))
+    older = {k: v for k, v in deepseek.items() if k != "kv_lora_rank"}  # written before the key was recorded
+    assert checkpointing.fingerprint_differences(older, deepseek) == []
+    assert checkpointing.fingerprint_differences(deepseek, older) == [
+        "kv_lora_rank: checkpoint 32, this job None"]
