@@ -22,7 +22,8 @@ rows on one GPU; ``ep_dispatch="allgather"`` or an ``ep_capacity_factor`` under 
 tune once. The all-to-all dispatchers' received row counts change every step: for these experts they
 pad them to a few bucket sizes (``moetune.distributed.dispatcher.bucketed_row_count``, at most 1/8
 padding rows, which the GEMMs skip), so each bucket tunes once. Unpacked batches of varying length
-still re-tune again and again: ``watch_row_counts`` warns once when a GEMM has seen many.
+re-tune for every length (the recipe's ``data.pad_to_multiple_of`` bounds them): ``watch_row_counts``
+warns once when a GEMM has seen many.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ class RowCountWatch:
             warnings.warn(
                 f"experts_backend='quack': the {gemm} GEMM with weights {list(weight_shape)} has run {len(seen)} "
                 "different row counts, and quack tunes every new one (seconds each). Give the experts steps "
-                "of one shape (batches packed to one length; under expert parallelism with very uneven routing, "
+                "of few shapes (batches packed to one length, or padded to a multiple: the recipe's "
+                "data.pad_to_multiple_of; under expert parallelism with very uneven routing, "
                 "ep_dispatch='allgather') or use experts_backend='grouped_mm'",
                 stacklevel=3,
             )

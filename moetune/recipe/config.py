@@ -79,6 +79,12 @@ class DataConfig:
     """Pack several samples into each row; positions and attention restart at each sample (moetune's
     Nemotron-H restarts its Mamba-2 state too). Refused for Transformers' models with recurrent
     layers (Jamba, Bamba, ...), whose state would cross samples."""
+    pad_to_multiple_of: int = 0
+    """Without packing, pad each micro-batch to the next multiple of this many tokens instead of to
+    its longest sample (0: to the longest; Transformers' collators call it the same). Bounds the
+    number of distinct step shapes at max_length / multiple: each new shape is a new tuning sweep for
+    ``experts_backend="quack"`` (seconds) and a recompile under torch.compile. Packed rows always
+    have ``max_length`` tokens."""
     packing_strategy: str = "best_fit"
     """How samples fill the packed rows: "best_fit" (best-fit decreasing over each epoch's shuffled
     samples, then the rows shuffled: almost no padding) or "in_order" (next-fit in the shuffled
@@ -307,6 +313,8 @@ def validate(config: JobConfig) -> JobConfig:
           f"{config.data.packing_strategy!r} is not one of {PACKING_STRATEGIES}")
     check(config.data.on_bad_row in ON_BAD_ROW, "data.on_bad_row",
           f"{config.data.on_bad_row!r} is not one of {ON_BAD_ROW}")
+    check(config.data.pad_to_multiple_of >= 0, "data.pad_to_multiple_of",
+          f"must be >= 0 (0: pad to the longest sample), got {config.data.pad_to_multiple_of}")
     for name, value in [
         ("training.steps", config.training.steps),
         ("training.micro_batch_size", config.training.micro_batch_size),

@@ -146,7 +146,8 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
     model = wrap_model(hf_model, runtime, config.distributed)
     batching = {"micro_batch_size": config.training.micro_batch_size, "max_length": config.data.max_length,
                 "packed": config.data.packing, "pad_id": tokenizer.pad_token_id, "rank": runtime.rank,
-                "world_size": runtime.world_size, "packing_strategy": config.data.packing_strategy}
+                "world_size": runtime.world_size, "packing_strategy": config.data.packing_strategy,
+                "pad_to_multiple_of": config.data.pad_to_multiple_of}
     moe_layers = metrics.moe_layer_ids(model_config)
     return Job(
         runtime=runtime, tokenizer=tokenizer, model_config=model_config, data=data, model=model,

@@ -81,6 +81,7 @@ def test_unknown_key_names_it_and_the_closest_valid_key(tmp_path):
     (["--training.precision", "fp8"], "config field training.precision: 'fp8' is not one of"),
     (["--data.on_bad_row", "ignore"], "config field data.on_bad_row"),
     (["--data.packing_strategy", "first_fit"], "config field data.packing_strategy: 'first_fit' is not one of"),
+    (["--data.pad_to_multiple_of", "-8"], "config field data.pad_to_multiple_of: must be >= 0"),
     (["--lora.rank", "-1"], "config section lora: LoraSettings.rank must be a positive int"),
     (["--model.experts_backend", "cublas"], "config field model.experts_backend: experts_backend must be one of .*, got 'cublas'"),
     (["--distributed.ep_overlap_chunks", "0"], "config field distributed.ep_overlap_chunks: must be >= 1, got 0"),

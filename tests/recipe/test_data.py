@@ -212,6 +212,31 @@ def test_collate_matches_the_rules_on_lists(packed):
         assert batch.num_tokens == int(real.sum()) and batch.num_label_tokens == int((labels != IGNORE_INDEX).sum())
 
 
+def test_pad_to_multiple_of_bounds_the_widths_and_leaves_the_loss_alone(tokenizer):
+    """Unpacked micro-batches padded to a multiple of 16 tokens: widths only from {16, 32, ...}, the
+    extra columns are padding (no label, masked out), and the loss and the real tokens' logits are
+    those of the batch padded to its longest sample."""
+    samples = tokenize(shipped_rows("train.jsonl", 12), tokenizer)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DEFAULT_ASSETS / "model")).eval()
+    cpu = torch.device("cpu")
+    for i in range(0, 12, 4):
+        rows = [[s] for s in samples[i:i + 4]]
+        longest = collate(rows, pad_id=tokenizer.pad_token_id, max_length=64, packed=False)
+        rounded = collate(rows, pad_id=tokenizer.pad_token_id, max_length=64, packed=False, pad_to_multiple_of=16)
+        width = longest.input_ids_BT.shape[1]
+        assert rounded.input_ids_BT.shape[1] == -(-width // 16) * 16 > width - 16
+        assert (rounded.num_tokens, rounded.num_label_tokens) == (longest.num_tokens, longest.num_label_tokens)
+        assert torch.equal(rounded.input_ids_BT[:, :width], longest.input_ids_BT)
+        assert not rounded.real_BT[:, width:].any() and (rounded.labels_BT[:, width:] == IGNORE_INDEX).all()
+        with torch.no_grad():
+            a, b = (model(**batch.model_inputs(cpu)) for batch in (longest, rounded))
+        torch.testing.assert_close(b.loss, a.loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b.logits[:, :width][longest.real_BT], a.logits[longest.real_BT], rtol=1e-5, atol=1e-5)
+    stream = BatchStream(samples, micro_batch_size=3, max_length=64, packed=False, pad_id=0, seed=0, pad_to_multiple_of=16)
+    assert {next(stream).input_ids_BT.shape[1] % 16 for _ in range(6)} == {0}
+
+
 def test_batch_stream_is_deterministic_and_resumable(tokenizer):
     samples = tokenize(shipped_rows("train.jsonl", 60), tokenizer)
 
