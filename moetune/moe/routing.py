@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetune.kernels.fp32_linear import fp32_linear
 from moetune.kernels.router import softmax_topk
 
 
@@ -120,8 +119,7 @@ class GroupLimitedSigmoidRouter(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
 
     def forward(self, x_TH: torch.Tensor) -> Routing:
-        # fp32 logits as Transformers computes them; bf16 rows on CUDA take tensor cores (fp32_linear)
-        logits_TE = fp32_linear(x_TH, self.weight)
+        logits_TE = F.linear(x_TH.float(), self.weight.float())
         if self.balanced:
             return balanced_routing(logits_TE, self.top_k)
         scores_TE = logits_TE.sigmoid()
