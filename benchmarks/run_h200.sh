@@ -58,6 +58,13 @@ bench() {
 
 STAGES=" ${STAGES:-versions parity rowA strict 16l rowD} "
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
+# has_quack: whether quack-kernels imports (the quack stages need it: benchmarks/install_quack.sh);
+# says so and marks the run failed when it does not, instead of timing rows that fail to build
+has_quack() {
+  python -c "import quack" 2>/dev/null && return 0
+  echo "skipped: quack-kernels does not import here (source benchmarks/install_quack.sh in this call first)"
+  status=1; return 1
+}
 
 echo "== $(date -u +%FT%TZ) commit $MOETUNE_COMMIT stages:$STAGES"
 if stage versions; then
@@ -146,7 +153,7 @@ if stage 16l; then
   bench 90 --layers 16 --seq-len 4096 --micro-batch 1 --routing both --sides moetune --moetune-optimizer moetune
 fi
 
-if stage quack; then
+if stage quack && has_quack; then
   # needs quack-kernels (benchmarks/install_quack.sh)
   echo "== row A graphed, both sides, moetune with quack's grouped GEMMs (experts_backend=quack)"
   bench 170 --layers 8 --seq-len 4096 --micro-batch 1 --routing both --moetune-optimizer moetune --moetune-cuda-graph \
@@ -161,7 +168,7 @@ if stage quack; then
     --moetune-cuda-graph --moetune-overlap-optimizer
 fi
 
-if stage quackothers; then
+if stage quackothers && has_quack; then
   for config in "gpt_oss_20b --layers 6" "nemotron_3_nano_30b_a3b --layers 8"; do
     for option in "--moetune-option experts_backend=quack" ""; do
       echo "== $config, moetune alone, graphed ${option:-(default experts backend)}"

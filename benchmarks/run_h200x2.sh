@@ -55,6 +55,13 @@ status=0
 marker="$(mktemp)"
 STAGES=" ${STAGES:-parity rowB} "
 stage() { [[ "$STAGES" == *" $1 "* ]]; }
+# has_quack: whether quack-kernels imports (the quack stages need it: benchmarks/install_quack.sh);
+# says so and marks the run failed when it does not, instead of timing rows that fail to build
+has_quack() {
+  python -c "import quack" 2>/dev/null && return 0
+  echo "skipped: quack-kernels does not import here (source benchmarks/install_quack.sh in this call first)"
+  status=1; return 1
+}
 bench2() {  # bench2 SECONDS ARGS...: moetune.bench under torchrun on NPROC GPUs
   # shellcheck disable=SC2086
   timeout "$1" torchrun --standalone --nproc-per-node "$NPROC" -m moetune.bench --out "$OUT" --layers "${LAYERS:-16}" \
@@ -130,7 +137,7 @@ if stage optsweep; then  # OPT_SWEEP="- replicate_bucket_mb=None a=1,b=2": row B
   done
 fi
 
-if stage quackep; then
+if stage quackep && has_quack; then
   echo "== quack experts under EP: parity (all-to-all, bucketed rows), then tokens/s per dispatcher"
   timeout 200 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/ep_parity.py --option experts_backend=quack \
     2>&1 | grep -E "RESULT|Error|error" || status=1
