@@ -261,4 +261,7 @@ def check_packed_documents_parity(ours, ref, *, offsets: bool = True, forward_co
     ours_loss.backward()
     params = dict(ours.named_parameters())
     for (name, _), grad in zip(ref.named_parameters(), expected):
-        assert rel_err(params[name].grad, grad) < tol, name
+        # A gradient that cancels to ~1e-11 (Mamba-2's A_log in these tiny configs) differs by the
+        # rounding of the terms that cancel, not relative to itself: an absolute floor far below them.
+        difference = (params[name].grad.double() - grad.double()).norm().item()
+        assert rel_err(params[name].grad, grad) < tol or difference < 1e-12, name
