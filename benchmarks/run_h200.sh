@@ -24,6 +24,9 @@
 #             and both at 16 layers (needs quack-kernels: benchmarks/install_quack.sh)
 #   quackothers  GPT-OSS-20B (6 layers) and Nemotron 3 Nano (8), moetune alone, graphed, with
 #             experts_backend=quack then the default (needs quack-kernels)
+#   quackpad  the recipe (8 layers, eager) on unpacked samples of 200-3,000 tokens, one per step:
+#             torch's grouped GEMM, then quack unpadded (a new row count every step), then quack with
+#             data.pad_to_multiple_of=512 (needs quack-kernels)
 #   graph16l  moetune alone at 16 layers, eager and graphed (the one-GPU reference of row B)
 #   profile   benchmarks/profile_step.py: kernels and GPU idle time of one step, eager and graphed
 #   nemotron  Nemotron 3 Nano: one Mamba-2 mixer, Transformers' torch path vs moetune's
@@ -177,6 +180,16 @@ if stage quackothers && has_quack; then
         --moetune-cuda-graph --moetune-overlap-optimizer $option
     done
   done
+fi
+
+if stage quackpad && has_quack; then
+  echo "== the recipe on unpacked samples of varying length: grouped_mm, quack unpadded, quack padded to 512"
+  common=(--layers 8 --variants eager --steps 30 --skip-steps 10 --log-every 5 --override data.packing=false)
+  timeout 130 python benchmarks/recipe_probe.py "${common[@]}" --timeout 120 --out "$OUT/quackpad_grouped_mm" || status=1
+  timeout 200 python benchmarks/recipe_probe.py "${common[@]}" --timeout 190 --override model.experts_backend=quack \
+    --out "$OUT/quackpad_quack_unpadded" || status=1
+  timeout 170 python benchmarks/recipe_probe.py "${common[@]}" --timeout 160 --override model.experts_backend=quack \
+    --override data.pad_to_multiple_of=512 --out "$OUT/quackpad_quack_pad512" || status=1
 fi
 
 if stage graph16l; then
