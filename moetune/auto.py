@@ -8,6 +8,7 @@ each process's part of the weights read. Every other architecture goes to Transf
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import warnings
@@ -18,16 +19,22 @@ import torch
 import transformers
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
-from moetune.checkpoint import list_checkpoint_tensors, load_checkpoint, plan_checkpoint_load, unused_parameter_names
+from moetune.checkpoint import (
+    list_checkpoint_tensors,
+    load_checkpoint,
+    plan_checkpoint_load,
+    rename_checkpoint_tensors,
+    unused_parameter_names,
+)
 from moetune.integrations import IMPLEMENTATION_NAME, register_moetune_experts
 from moetune.integrations.transformers_experts import set_fallback_experts_backend
-from moetune.models import family_for, set_moe_options
+from moetune.models import ModelFamily, family_for, set_moe_options
 from moetune.models.options import check_experts_backend
 from moetune.options import MoetuneOptions
 
 HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "subfolder", "proxies")
 # Transformers' loading arguments that moetune accepts and ignores (their effect is built in).
-IGNORED_LOADING_KWARGS = ("low_cpu_mem_usage", "use_safetensors", "weights_only", "_from_auto", "key_mapping")
+IGNORED_LOADING_KWARGS = ("low_cpu_mem_usage", "use_safetensors", "weights_only", "_from_auto")
 
 
 class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
@@ -43,7 +50,8 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             return _with_fallback_experts_backend(
                 transformers.AutoModelForCausalLM.from_config(config, **kwargs), options.experts_backend
             )
-        kwargs.setdefault("attn_implementation", family.default_attention)
+        if kwargs.get("attn_implementation") is None:
+            kwargs["attn_implementation"] = _attention_for(config, family)
         if options.distributed:
             from moetune.distributed import parallelize_for_options
 
@@ -69,6 +77,8 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         device_map = kwargs.pop("device_map", None)
         generation_config = kwargs.pop("generation_config", None)
         output_loading_info = kwargs.pop("output_loading_info", False)
+        variant = kwargs.pop("variant", None)
+        key_mapping = kwargs.pop("key_mapping", None)
         for name in IGNORED_LOADING_KWARGS:
             kwargs.pop(name, None)
 
@@ -77,8 +87,18 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         config_given = config is not None
         if config is None:
             config = _load_config(folder, trust_remote_code=trust_remote_code, overrides=kwargs)
+        elif isinstance(config, (str, os.PathLike)):
+            # A path to the config (or a Hub id), as Transformers takes it: loaded, then the
+            # leftover keyword arguments override its fields.
+            config = _load_config(_config_location(config, hub), trust_remote_code=trust_remote_code, overrides=kwargs)
+        elif not isinstance(config, PretrainedConfig):
+            raise TypeError(f"config must be a PretrainedConfig or a path to one, got {type(config).__name__}")
         elif kwargs:
             raise TypeError(f"unexpected keyword arguments with an explicit config: {sorted(kwargs)}")
+        else:
+            # Loading sets dtype, _name_or_path and may drop quantization_config: do that to a copy,
+            # as Transformers does, so the caller's config is unchanged and no two models share one.
+            config = copy.deepcopy(config)
         family = family_for(config)
         method = _quantization_field(config, "quant_method")
         if family is not None and method is not None:
@@ -106,9 +126,11 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             return loaded
         if model_args:
             raise TypeError(f"{family.causal_lm.__name__} takes no positional model arguments, got {model_args!r}")
-        attn_implementation = attn_implementation or family.default_attention
+        attn_implementation = attn_implementation or _attention_for(config, family)
 
-        tensors = list_checkpoint_tensors(folder)
+        tensors = list_checkpoint_tensors(folder, variant=variant)
+        if key_mapping is not None:
+            tensors = rename_checkpoint_tensors(tensors, key_mapping)
         dtype = resolve_dtype(dtype, config, tensors)
         device = resolve_device(device_map, distributed=options.distributed)
         config.dtype = dtype
@@ -117,11 +139,16 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             model = family.causal_lm._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
         # A caller who made the model shallower than the checkpoint (num_hidden_layers=N, a shorter
         # layer pattern, or a config of its own) gets the first layers; the tensors of the others are
-        # left unread, as Transformers leaves them. Otherwise every tensor must have a place.
-        shallower = (config_given or bool(config_overrides)) and config.num_hidden_layers < _load_config(
-            folder, trust_remote_code=trust_remote_code, overrides={}).num_hidden_layers
-        unused: list[str] | None = [] if shallower else None
-        plan = plan_checkpoint_load(model, tensors, model.checkpoint_layout, unused=unused)  # raises before allocation
+        # left unread, as Transformers leaves them. Otherwise every tensor must have a place, except
+        # the multi-token-prediction layers DeepSeek-V3's files store after the checkpoint's last layer.
+        callers_config = config_given or bool(config_overrides)
+        num_checkpoint_layers = config.num_hidden_layers
+        if callers_config:
+            num_checkpoint_layers = _load_config(folder, trust_remote_code=trust_remote_code, overrides={}).num_hidden_layers
+        unused: list[str] | None = [] if callers_config and config.num_hidden_layers < num_checkpoint_layers else None
+        plan = plan_checkpoint_load(  # raises before allocation
+            model, tensors, model.checkpoint_layout, unused=unused, num_checkpoint_layers=num_checkpoint_layers
+        )
         unexpected = unused_parameter_names(unused, model, model.checkpoint_layout) if unused else set()
         if unexpected:
             warnings.warn(
@@ -143,6 +170,26 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         if output_loading_info:  # Transformers' report; anything else missing or unexpected raised above
             return model, {"missing_keys": set(), "unexpected_keys": unexpected, "mismatched_keys": set(), "error_msgs": []}
         return model
+
+
+def _attention_for(config: PretrainedConfig, family: ModelFamily) -> str:
+    """The attention a caller named in the config (``AutoConfig.from_pretrained(..., attn_implementation=
+    "eager")``, stored as ``_attn_implementation_internal``, None unless set, in Transformers 5.x),
+    else the family's default."""
+    return getattr(config, "_attn_implementation", None) or family.default_attention
+
+
+def _config_location(config: str | os.PathLike, hub: dict[str, Any]) -> Path:
+    """``from_pretrained(config=<path>)``: a config file, a folder holding config.json, or a Hub repo."""
+    path = Path(config).expanduser()
+    if path.is_file():
+        return path
+    try:
+        return resolve_checkpoint_folder(config, patterns=("config.json",), **hub)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"config {str(config)!r} is neither a config file nor a folder or Hub repo holding config.json"
+        ) from None
 
 
 def _dequantized_while_loading(config: PretrainedConfig, method: str, layout) -> bool:
@@ -194,8 +241,14 @@ def rebuild_non_persistent_buffers(model: torch.nn.Module, device: torch.device 
             getattr(module, buffer_name).copy_(getattr(fresh, buffer_name))
 
 
-def resolve_checkpoint_folder(name_or_path: str | os.PathLike, **hub: Any) -> Path:
-    """A local folder as is; a Hub repo id downloaded (safetensors and JSON only) into the cache."""
+CHECKPOINT_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja")
+
+
+def resolve_checkpoint_folder(
+    name_or_path: str | os.PathLike, *, patterns: tuple[str, ...] = CHECKPOINT_PATTERNS, **hub: Any
+) -> Path:
+    """A local folder as is; a Hub repo id downloaded (the files matching ``patterns``: safetensors
+    and JSON by default) into the cache."""
     path = Path(name_or_path).expanduser()
     subfolder = hub.pop("subfolder", "") or ""
     if path.is_dir():
@@ -205,9 +258,7 @@ def resolve_checkpoint_folder(name_or_path: str | os.PathLike, **hub: Any) -> Pa
         raise FileNotFoundError(f"checkpoint folder {text!r} does not exist")
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]
-    if subfolder:
-        patterns = [f"{subfolder}/{p}" for p in patterns]
+    patterns = [f"{subfolder}/{p}" for p in patterns] if subfolder else list(patterns)
     hub.pop("proxies", None)
     folder = Path(snapshot_download(repo_id=text, allow_patterns=patterns, **hub))
     return folder / subfolder if subfolder else folder
@@ -219,9 +270,11 @@ MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
 def _load_config(folder: Path, *, trust_remote_code: bool | None, overrides: dict[str, Any]) -> PretrainedConfig:
-    if not (folder / "config.json").is_file():
+    """The config in ``folder``'s config.json (or in ``folder`` itself, a config file)."""
+    path = folder if folder.is_file() else folder / "config.json"
+    if not path.is_file():
         raise FileNotFoundError(f"no config.json in {str(folder)!r}")
-    data = json.loads((folder / "config.json").read_text())
+    data = json.loads(path.read_text())
     alias = MODEL_TYPE_ALIASES.get(data.get("model_type"))
     try:
         if alias is not None and not trust_remote_code:  # Transformers' own class, no remote code

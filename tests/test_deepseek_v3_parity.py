@@ -109,6 +109,24 @@ def test_multi_token_prediction_layer_is_ignored(tmp_path):
     assert isinstance(moetune.AutoModelForCausalLM.from_pretrained(folder), DeepseekV3ForCausalLM)
 
 
+def test_multi_token_prediction_layers_follow_the_last_decoder_layer(tmp_path):
+    """The MTP module is the layer after the checkpoint's last one (61 of 61 on the Hub, 3 here),
+    not layer 61 as such: a model with more than 61 layers loads its real layer 61."""
+    folder = _save(reference(), tmp_path, "per-expert")
+    tensors = load_file(folder / "model.safetensors")
+    tensors.update({"model.layers.3.eh_proj.weight": torch.zeros(4, 4), "model.layers.3.enorm.weight": torch.ones(4)})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    assert isinstance(moetune.AutoModelForCausalLM.from_pretrained(folder), DeepseekV3ForCausalLM)
+
+    deep = reference(num_hidden_layers=62, first_k_dense_replace=61, hidden_size=16, intermediate_size=16,
+                     moe_intermediate_size=8).eval()  # fmt: skip
+    ours = moetune.AutoModelForCausalLM.from_pretrained(_save(deep, tmp_path, "deep"))
+    torch.testing.assert_close(ours.model.layers[61].mlp.experts.down_proj, deep.model.layers[61].mlp.experts.down_proj)
+    ids = parity_batch(deep.config.vocab_size, padded=False)[0]
+    with torch.no_grad():
+        assert rel_err(ours(input_ids=ids).logits, deep(input_ids=ids).logits) < TOL
+
+
 def _fp8_checkpoint(tmp_path, **overrides):
     """DeepSeek's Hub format (see ``quantize_fp8_checkpoint``), with partial 128-blocks."""
     ref = reference(hidden_size=160, moe_intermediate_size=144, intermediate_size=272, **overrides)

@@ -65,11 +65,16 @@ def test_unexpected_tensor(checkpoint, monkeypatch):
         moetune.AutoModelForCausalLM.from_pretrained(checkpoint)
 
 
-def test_misshaped_tensor(checkpoint, monkeypatch):
-    _edit(checkpoint, lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 32)}))
+@pytest.mark.parametrize(
+    "key, shape",
+    [("model.layers.0.self_attn.q_proj.weight", (3, 32)), ("model.layers.0.mlp.experts.2.down_proj.weight", (32, 15))],
+)
+def test_misshaped_tensor(checkpoint, monkeypatch, key, shape):
+    _edit(checkpoint, lambda t: t.update({key: torch.zeros(shape)}))
     _never_allocate(monkeypatch)
-    with pytest.raises(ValueError, match=r"mis-shaped tensors .*model.layers.0.self_attn.q_proj.weight \[3, 32\]"):
+    with pytest.raises(ValueError, match=rf"mis-shaped tensors \(1\): {key} \[{shape[0]}, {shape[1]}\]") as error:
         moetune.AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert "missing" not in str(error.value)  # the tensor is there, only its shape is wrong
 
 
 def test_pickle_only_checkpoint_is_refused(checkpoint):

@@ -1,7 +1,11 @@
 """moetune's Qwen3-MoE equals Transformers' on tiny fp32 configs: logits, loss (+aux), gradients,
-generation, in both checkpoint layouts; and plain Transformers loads what moetune saves."""
+generation, in both checkpoint layouts; plain Transformers loads what moetune saves; and
+from_pretrained / save_pretrained take config, attn_implementation, key_mapping and variant as
+Transformers does."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -173,6 +177,114 @@ def test_dtype_and_config_overrides(reference_qwen3_moe, tmp_path):
     model = moetune.AutoModelForCausalLM.from_pretrained(folder, dtype="bfloat16", device_map="cpu")
     assert model.dtype == torch.bfloat16 and model.device.type == "cpu"
     assert not model.training  # Transformers returns models in eval mode
+
+
+def test_an_explicit_config_is_copied_not_changed_or_shared(reference_qwen3_moe, tmp_path):
+    """Like Transformers, from_pretrained(config=cfg) loads into a copy: the caller's config keeps its
+    fields and a second load with it does not inherit the first one's dtype. from_config shares
+    the config exactly when Transformers' from_config does (it does not copy in 5.10 / 5.25)."""
+    folder = _save(reference_qwen3_moe(), tmp_path, "fused")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    before = config.to_dict()
+    first = moetune.AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.bfloat16)
+    second = moetune.AutoModelForCausalLM.from_pretrained(folder, config=config)
+    assert first.dtype == torch.bfloat16 and second.dtype == torch.float32
+    assert config.to_dict() == before
+    assert first.config is not config and second.config is not config and first.config is not second.config
+    theirs = transformers.AutoConfig.from_pretrained(folder)
+    ours = transformers.AutoConfig.from_pretrained(folder)
+    shared_by_transformers = transformers.AutoModelForCausalLM.from_config(theirs).config is theirs
+    assert (moetune.AutoModelForCausalLM.from_config(ours).config is ours) == shared_by_transformers
+
+
+def test_attention_named_in_the_config_is_used(reference_qwen3_moe, tmp_path):
+    """AutoConfig.from_pretrained(..., attn_implementation="eager") chooses the attention for
+    from_config and from_pretrained(config=) too; an explicit argument still wins."""
+    folder = _save(reference_qwen3_moe(), tmp_path, "fused")
+    config = transformers.AutoConfig.from_pretrained(folder, attn_implementation="eager")
+    assert moetune.AutoModelForCausalLM.from_config(config).config._attn_implementation == "eager"
+    assert moetune.AutoModelForCausalLM.from_pretrained(folder, config=config).config._attn_implementation == "eager"
+    chosen = moetune.AutoModelForCausalLM.from_pretrained(folder, config=config, attn_implementation="sdpa")
+    assert chosen.config._attn_implementation == "sdpa"
+    assert moetune.AutoModelForCausalLM.from_pretrained(folder).config._attn_implementation == "sdpa"  # the default
+
+
+def test_config_given_as_a_path(reference_qwen3_moe, tmp_path):
+    """config=<folder or config.json> is loaded (not handed to Transformers' class), and the keyword
+    arguments left over override its fields, as Transformers' model classes do."""
+    folder = _save(reference_qwen3_moe(), tmp_path, "fused")
+    transformers.AutoConfig.from_pretrained(folder, router_aux_loss_coef=0.5).save_pretrained(tmp_path / "other")
+    model = moetune.AutoModelForCausalLM.from_pretrained(folder, config=str(tmp_path / "other"), experts_backend="loop")
+    assert isinstance(model, Qwen3MoeForCausalLM) and model.config.router_aux_loss_coef == 0.5
+    model = moetune.AutoModelForCausalLM.from_pretrained(folder, config=tmp_path / "other" / "config.json", use_cache=False)
+    assert isinstance(model, Qwen3MoeForCausalLM) and model.config.router_aux_loss_coef == 0.5 and not model.config.use_cache
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        moetune.AutoModelForCausalLM.from_pretrained(folder, config=str(tmp_path / "nowhere"))
+
+
+def test_key_mapping_renames_the_checkpoints_tensors(reference_qwen3_moe, tmp_path):
+    """key_mapping (regex -> replacement, Transformers' semantics) applies to the checkpoint's names
+    before they are matched to the model: a checkpoint saved under other names loads exactly."""
+    from safetensors.torch import load_file, save_file
+
+    ref = reference_qwen3_moe().eval()
+    folder = save_per_expert_checkpoint(ref, tmp_path / "renamed")
+    tensors = load_file(folder / "model.safetensors")
+    renamed = {k.replace("model.", "backbone.", 1).replace(".norm.", ".final_norm."): v for k, v in tensors.items()}
+    save_file(renamed, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected tensors .*backbone.final_norm.weight"):
+        moetune.AutoModelForCausalLM.from_pretrained(folder)
+    key_mapping = {r"^backbone\.": "model.", r"\.final_norm\.": ".norm."}
+    model = moetune.AutoModelForCausalLM.from_pretrained(folder, key_mapping=key_mapping)
+    ids = parity_batch(ref.config.vocab_size, padded=False)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"key_mapping pattern '\(' "):
+        moetune.AutoModelForCausalLM.from_pretrained(folder, key_mapping={"(": "x"})
+
+
+def test_save_records_the_models_dtype(reference_qwen3_moe, tmp_path):
+    """A model cast after loading is saved with its dtype in config.json (as Transformers does), so
+    both libraries load it back in that dtype."""
+    model = moetune.AutoModelForCausalLM.from_pretrained(_save(reference_qwen3_moe(), tmp_path, "fused"))
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    assert moetune.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+
+
+def test_save_replaces_only_its_own_weight_files_and_writes_variants(reference_qwen3_moe, tmp_path):
+    """save_pretrained removes what an earlier save of the same name left (shards of a longer save,
+    their index), never other variants or other files; variant= writes Transformers' variant names,
+    which Transformers and from_pretrained(variant=) load."""
+    from safetensors.torch import save_file
+
+    ref = reference_qwen3_moe().eval()
+    ours = moetune.AutoModelForCausalLM.from_pretrained(_save(ref, tmp_path, "fused"))
+    out = tmp_path / "out"
+    ours.save_pretrained(out, max_shard_size="40KB")  # an earlier sharded save, to be replaced
+    ref.save_pretrained(out, variant="bf16")
+    save_file({"w": torch.zeros(2)}, str(out / "model_ema.safetensors"))
+    ours.save_pretrained(out)
+    assert sorted(p.name for p in out.iterdir() if "safetensors" in p.name) == [
+        "model.bf16.safetensors", "model.safetensors", "model_ema.safetensors"
+    ]  # fmt: skip
+
+    ours.save_pretrained(out, variant="v1", max_shard_size="40KB")
+    shards = sorted(p.name for p in out.glob("model.v1-*.safetensors"))
+    assert len(shards) > 1 and shards[0] == f"model.v1-00001-of-{len(shards):05d}.safetensors"
+    assert (out / "model.safetensors.index.v1.json").is_file() and (out / "model.safetensors").is_file()
+    ids = parity_batch(ref.config.vocab_size, padded=False)[0]
+    expected = ref(input_ids=ids).logits
+    for library in (transformers.AutoModelForCausalLM, moetune.AutoModelForCausalLM):
+        reloaded = library.from_pretrained(out, variant="v1").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, rtol=0, atol=0)
+    ours.save_pretrained(out, variant="v1")  # now one file: the shards and their index go
+    assert not list(out.glob("model.v1-*")) and not (out / "model.safetensors.index.v1.json").exists()
+    assert (out / "model.v1.safetensors").is_file() and (out / "model.bf16.safetensors").is_file()
+    with pytest.raises(FileNotFoundError, match="variant='v2'"):
+        moetune.AutoModelForCausalLM.from_pretrained(out, variant="v2")
 
 
 def test_balanced_gate_routes_evenly(reference_qwen3_moe, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,23 +20,56 @@ class TensorInfo:
     file: Path
     shape: tuple[int, ...]
     dtype: str
+    name: str
+    """The tensor's name inside ``file`` (what is read), which a ``key_mapping`` may have renamed."""
 
 
-def list_checkpoint_tensors(folder: str | os.PathLike) -> dict[str, TensorInfo]:
+def with_variant(name: str, variant: str | None) -> str:
+    """Transformers' variant naming: ``model.safetensors`` -> ``model.<variant>.safetensors``,
+    ``model.safetensors.index.json`` -> ``model.safetensors.index.<variant>.json``."""
+    if variant is None:
+        return name
+    if not isinstance(variant, str) or not variant or "/" in variant or os.sep in variant:
+        raise ValueError(f"variant must be a non-empty name without path separators, got {variant!r}")
+    stem, extension = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{extension}"
+
+
+def shard_name(index: int, num_shards: int, variant: str | None = None) -> str:
+    """The name of shard ``index`` (from 0) of a sharded save, as Transformers writes it:
+    ``model-00001-of-00003.safetensors``, ``model.<variant>-00001-of-00003.safetensors``."""
+    stem = with_variant(SINGLE_NAME, variant).removesuffix(".safetensors")
+    return f"{stem}-{index + 1:05d}-of-{num_shards:05d}.safetensors"
+
+
+def is_weight_file_of(name: str, variant: str | None) -> bool:
+    """Whether file ``name`` is one that a save of ``variant`` writes (the single file, a shard, or
+    the index); other variants' files and unrelated ``model*.safetensors`` are not."""
+    stem = re.escape(with_variant(SINGLE_NAME, variant).removesuffix(".safetensors"))
+    shard_or_single = rf"{stem}(-\d{{5}}-of-\d{{5}})?\.safetensors"
+    return name == with_variant(INDEX_NAME, variant) or re.fullmatch(shard_or_single, name) is not None
+
+
+def list_checkpoint_tensors(folder: str | os.PathLike, *, variant: str | None = None) -> dict[str, TensorInfo]:
     """Map every tensor name in the folder's safetensors checkpoint (single file or sharded with an
-    index) to its file, shape and dtype."""
+    index) to its file, shape and dtype. With ``variant``, only that variant's files are read
+    (``model.<variant>.safetensors`` or ``model.safetensors.index.<variant>.json``)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"checkpoint folder {str(folder)!r} does not exist")
-    index_path = folder / INDEX_NAME
+    index_path, single_path = folder / with_variant(INDEX_NAME, variant), folder / with_variant(SINGLE_NAME, variant)
+    if variant is not None and not index_path.is_file() and not single_path.is_file():
+        raise FileNotFoundError(
+            f"no {single_path.name} or {index_path.name} in {str(folder)!r} (the files of variant={variant!r})"
+        )
     if index_path.is_file():
         try:
             weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as error:
             raise ValueError(f"{index_path} is not a valid safetensors index (needs a 'weight_map'): {error}") from None
         files = sorted({folder / name for name in weight_map.values()})
-    elif (folder / SINGLE_NAME).is_file():
-        files = [folder / SINGLE_NAME]
+    elif single_path.is_file():
+        files = [single_path]
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -51,5 +85,31 @@ def list_checkpoint_tensors(folder: str | os.PathLike) -> dict[str, TensorInfo]:
                 view = handle.get_slice(key)
                 if key in tensors:
                     raise ValueError(f"tensor {key!r} appears in both {tensors[key].file.name} and {path.name}")
-                tensors[key] = TensorInfo(path, tuple(view.get_shape()), view.get_dtype())
+                tensors[key] = TensorInfo(path, tuple(view.get_shape()), view.get_dtype(), key)
     return tensors
+
+
+def rename_checkpoint_tensors(tensors: dict[str, TensorInfo], key_mapping: dict[str, str]) -> dict[str, TensorInfo]:
+    """``from_pretrained(key_mapping=...)`` as Transformers (>= 5) applies it: every (regex pattern,
+    replacement) pair, in order, replaces the first match in each checkpoint name; a pattern that
+    ends in a letter or digit matches up to the end of a name only (``norm`` is not ``norm_f``).
+    The tensors are still read under their stored names (``TensorInfo.name``)."""
+    if not isinstance(key_mapping, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in key_mapping.items()):
+        raise TypeError(f"key_mapping must be a dict of regex pattern -> replacement strings, got {key_mapping!r}")
+    compiled = []
+    for pattern, replacement in key_mapping.items():
+        try:
+            compiled.append((re.compile(pattern + (r"(?!\w)" if re.search(r"[a-zA-Z0-9]$", pattern) else "")), replacement))
+        except re.error as error:
+            raise ValueError(f"key_mapping pattern {pattern!r} is not a valid regular expression: {error}") from None
+    renamed: dict[str, TensorInfo] = {}
+    for key, info in tensors.items():
+        new_key = key
+        for regex, replacement in compiled:
+            new_key = regex.sub(replacement, new_key, count=1)
+        if new_key in renamed:
+            raise ValueError(
+                f"key_mapping maps both {renamed[new_key].name!r} and {key!r} of the checkpoint to {new_key!r}"
+            )
+        renamed[new_key] = info  # still read as info.name
+    return renamed

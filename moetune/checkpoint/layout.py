@@ -44,6 +44,11 @@ class CheckpointLayout:
     mxfp4_experts: bool = False
     """3-D expert weights may be stored MXFP4-quantized as ``<name>_blocks`` + ``<name>_scales``
     (GPT-OSS's Hub checkpoints); they are dequantized while loading (``moetune.checkpoint.mxfp4``)."""
+    trailing_mtp_layers: bool = False
+    """Hub files may store multi-token-prediction modules as the decoder layers after the last one
+    (DeepSeek-V3 / Kimi-K2: ``model.layers.61`` of 61 layers). Tensors of layers numbered at or
+    beyond the checkpoint's ``num_hidden_layers`` are then skipped, as Transformers skips them; a
+    deeper model's real layer 61 still loads."""
     renamed_prefixes: tuple[tuple[str, str], ...] = ()
     """(Hub prefix, model prefix) pairs, the first that matches applies: Nemotron-H's Hub files say
     ``backbone.`` for ``model.``."""

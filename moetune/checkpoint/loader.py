@@ -70,28 +70,44 @@ def _with_layer_index(name: str, index: int) -> str:
 
 
 def plan_checkpoint_load(
-    model: nn.Module, tensors: dict[str, TensorInfo], layout: CheckpointLayout, *, unused: list[str] | None = None
+    model: nn.Module,
+    tensors: dict[str, TensorInfo],
+    layout: CheckpointLayout,
+    *,
+    unused: list[str] | None = None,
+    num_checkpoint_layers: int | None = None,
 ) -> list[LoadItem]:
     """The blocks to copy; raises naming every missing, unexpected or mis-shaped tensor.
 
     ``unused``: when given, the tensors of decoder layers the model does not have (a caller that
     asked for fewer layers than the checkpoint holds, ``num_hidden_layers=N``, as Transformers
-    allows) are listed there and left unread instead of being unexpected."""
+    allows) are listed there and left unread instead of being unexpected.
+
+    ``num_checkpoint_layers``: the checkpoint's own ``num_hidden_layers`` (default: the model's);
+    with ``layout.trailing_mtp_layers``, the layers numbered from there on are its
+    multi-token-prediction modules and are skipped."""
     shapes = model_tensor_shapes(model)
     layer_indices = {i for i in map(_layer_index, shapes) if i is not None}
     num_layers = max(layer_indices) + 1 if layer_indices else None
+    if num_checkpoint_layers is None:
+        num_checkpoint_layers = num_layers
     tied = _tied_names(model)
     items: list[LoadItem] = []
     unexpected, misshaped, missing = [], [], []
+    reported: set[str] = set()  # parameters a mis-shaped tensor or missing scales already account for
     covered: dict[str, int] = defaultdict(int)
     for key, info in tensors.items():
         if layout.is_ignored(key) or layout.canonical(key) in tied:
+            continue
+        if layout.trailing_mtp_layers and _is_mtp_layer(layout.canonical(key), num_checkpoint_layers):
             continue
         quantized = _mxfp4_param(layout, key, shapes)
         if quantized is not None:
             if key.endswith(mxfp4.BLOCKS_SUFFIX):
                 item = _mxfp4_item(key, info, quantized, shapes[quantized], tensors, missing, misshaped)
-                if item is not None:
+                if item is None:
+                    reported.add(quantized)
+                else:
                     covered[quantized] += prod(shapes[quantized])
                     items.append(item)
             continue
@@ -106,18 +122,22 @@ def plan_checkpoint_load(
         extra = 0 if region.param == layout.canonical(key) else 1  # per-expert tensors lack the leading expert dim
         if tuple(info.shape) != region.shape[extra:]:
             misshaped.append(f"{key} {list(info.shape)} (expected {list(region.shape[extra:])} for {region.param})")
+            reported.add(region.param)
             continue
         item = LoadItem(key, info, region)
         if layout.fp8_block_scaled and info.dtype in fp8.FP8_DTYPES:
             item = _fp8_item(item, tensors, missing, misshaped)
             if item is None:
+                reported.add(region.param)
                 continue
         covered[region.param] += prod(region.shape)
         items.append(item)
     for name, shape in shapes.items():
         if covered[name] != prod(shape) and not any(m.startswith(name) for m in missing):
-            present = set(tensors)
-            missing += [k for k in layout.hub_keys_for(name, shape) if k not in present] or [name]
+            absent = [k for k in layout.hub_keys_for(name, shape) if k not in tensors]
+            # A parameter whose tensors are all there, one of them mis-shaped (or without its
+            # scales), is reported as that alone, not also as missing.
+            missing += absent or ([] if name in reported else [name])
     problems = []
     if missing:
         problems.append(f"missing tensors ({len(missing)}): {_listing(missing)}")
@@ -129,6 +149,11 @@ def plan_checkpoint_load(
         folder = next(iter(tensors.values())).file.parent if tensors else "?"
         raise ValueError(f"checkpoint {str(folder)!r} does not match {type(model).__name__}: " + "; ".join(problems))
     return items
+
+
+def _is_mtp_layer(name: str, num_checkpoint_layers: int | None) -> bool:
+    index = _layer_index(name)
+    return index is not None and num_checkpoint_layers is not None and index >= num_checkpoint_layers
 
 
 def unused_parameter_names(keys: list[str], model: nn.Module, layout: CheckpointLayout) -> set[str]:
@@ -229,12 +254,12 @@ def _copy_block(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple
     # Per-expert tensors lack the leading expert dim of their region: drop those (size-1) slices.
     extra_dims = len(region.shape) - len(item.info.shape)
     src = tuple(src_slices[extra_dims:])
-    block = handle.get_slice(item.key)[src]
+    block = handle.get_slice(item.info.name)[src]
     if item.kind == "fp8":
-        scales_key, scales_info = item.scales
+        _, scales_info = item.scales
         scale_rows, scale_cols = fp8.scale_rows_cols(*src)
         with safe_open(str(scales_info.file), framework="pt") as scales_handle:
-            scales = scales_handle.get_slice(scales_key)[scale_rows, scale_cols]
+            scales = scales_handle.get_slice(scales_info.name)[scale_rows, scale_cols]
         block = fp8.dequantize(block, scales, *src, dtype=local.dtype)
     local[tuple(dest_slices)].copy_(block.reshape(local[tuple(dest_slices)].shape))
 
@@ -243,8 +268,8 @@ def _copy_mxfp4(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple
     """Dequantize the experts (and output columns) this process holds of an MXFP4 parameter
     [E, in, out]; the files store [E, out, in / 32 groups]."""
     (e0, i0, o0), (e1, i1, o1) = local_offset, tuple(o + n for o, n in zip(local_offset, local.shape))
-    blocks = handle.get_slice(item.key)[e0:e1, o0:o1]
-    scales_key, scales_info = item.scales
+    blocks = handle.get_slice(item.info.name)[e0:e1, o0:o1]
+    _, scales_info = item.scales
     with safe_open(str(scales_info.file), framework="pt") as scales_handle:
-        scales = scales_handle.get_slice(scales_key)[e0:e1, o0:o1]
+        scales = scales_handle.get_slice(scales_info.name)[e0:e1, o0:o1]
     local.copy_(mxfp4.dequantize(blocks, scales, local.dtype)[:, i0:i1, :])

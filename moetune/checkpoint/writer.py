@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from moetune.checkpoint.files import INDEX_NAME, SINGLE_NAME
+from moetune.checkpoint.files import INDEX_NAME, SINGLE_NAME, is_weight_file_of, shard_name, with_variant
 from moetune.checkpoint.layout import CheckpointLayout
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -60,9 +60,12 @@ def save_hf_checkpoint(
     max_shard_size: int | str = "50GB",
     is_main_process: bool = True,
     state_dict: dict[str, torch.Tensor] | None = None,
+    variant: str | None = None,
 ) -> None:
-    """Write safetensors shards (+ index), config.json and generation_config.json."""
+    """Write safetensors shards (+ index), config.json and generation_config.json; with ``variant``
+    the weight files are Transformers' variant names (``model.<variant>.safetensors``, ...)."""
     limit = parse_size(max_shard_size)
+    with_variant(SINGLE_NAME, variant)  # a bad variant fails before any gathering
     target = Path(save_directory)
     staging = None
     if is_main_process:
@@ -88,7 +91,7 @@ def save_hf_checkpoint(
             return
         if shards[-1]:
             written.append(_flush(shards[-1], staging, len(written)))
-        _finalize(model, target, staging, written)
+        _finalize(model, target, staging, written, variant=variant)
     finally:
         if staging is not None and staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
@@ -101,12 +104,14 @@ def _flush(shard: dict[str, torch.Tensor], staging: Path, index: int) -> Path:
     return path
 
 
-def _finalize(model: nn.Module, target: Path, staging: Path, written: list[Path]) -> None:
+def _finalize(model: nn.Module, target: Path, staging: Path, written: list[Path], *, variant: str | None) -> None:
     from safetensors import safe_open
 
-    names = [SINGLE_NAME] if len(written) == 1 else [
-        f"model-{i + 1:05d}-of-{len(written):05d}.safetensors" for i in range(len(written))
-    ]
+    if len(written) == 1:
+        names = [with_variant(SINGLE_NAME, variant)]
+    else:
+        names = [shard_name(i, len(written), variant) for i in range(len(written))]
+    index_name = with_variant(INDEX_NAME, variant)
     weight_map, total = {}, 0
     for path, name in zip(written, names):
         with safe_open(path, framework="pt") as handle:
@@ -117,27 +122,31 @@ def _finalize(model: nn.Module, target: Path, staging: Path, written: list[Path]
         path.rename(staging / name)
     if len(written) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (staging / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        (staging / index_name).write_text(json.dumps(index, indent=2) + "\n")
     config = model.config
     config.architectures = [_model_class(model).__name__]
+    # The dtype the weights are written in (the model may have been cast since it was loaded), so
+    # that dtype=None / "auto" loads them back in it, as Transformers records it.
+    config.dtype = getattr(model, "dtype", None) or config.dtype
     config.save_pretrained(staging)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None and getattr(model, "can_generate", lambda: False)():
         generation_config.save_pretrained(staging)
-    # Remove weights of an earlier save that the new one does not overwrite, then move in.
-    for old in list(target.glob("model*.safetensors")) + list(target.glob(INDEX_NAME)):
-        if old.name not in names:
+    # Remove the weights of an earlier save of this variant that the new one does not overwrite (a
+    # single file left beside a new index, shards of a longer save), then move in. Other variants'
+    # files and any other *.safetensors in the folder are the caller's and stay.
+    for old in target.iterdir():
+        if old.is_file() and is_weight_file_of(old.name, variant) and old.name not in names:
             old.unlink()
     for path in staging.iterdir():
         os.replace(path, target / path.name)
 
 
 def _model_class(model: nn.Module) -> type:
-    """The model's own class: FSDP2 swaps in a subclass named ``FSDP<name>`` with bases (FSDPModule, cls)."""
-    cls = type(model)
-    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2:
-        return cls.__bases__[1]
-    return cls
+    """The model's own class: FSDP2 swaps in a subclass named ``FSDP<name>`` with bases (FSDPModule, cls),
+    which may be subclassed again under the same name (``moetune.distributed.inference``); the first
+    module class in the MRO not so named is the model's."""
+    return next(c for c in type(model).__mro__ if issubclass(c, nn.Module) and not c.__name__.startswith("FSDP"))
 
 
 def _dtype_bytes(dtype: str) -> int:

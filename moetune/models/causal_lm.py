@@ -205,10 +205,13 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
         state_dict: dict | None = None,
         push_to_hub: bool = False,
         max_shard_size: int | str = "50GB",
+        variant: str | None = None,
         save_original_format: bool = True,
         **kwargs,
     ):
         """Like Transformers': per-expert Hub layout by default, fused with ``save_original_format=False``;
+        ``variant`` names the weight files ``model.<variant>.safetensors`` (or its shards and
+        ``model.safetensors.index.<variant>.json``), which ``from_pretrained(variant=...)`` loads;
         with ``push_to_hub`` the main process returns the upload's commit info.
 
         Under FSDP2 / expert parallelism (a model moetune sharded) every rank must call it (tensors are
@@ -225,6 +228,7 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
             max_shard_size=max_shard_size,
             is_main_process=is_main_process,
             state_dict=state_dict,
+            variant=variant,
         )
         if push_to_hub and is_main_process:
             from huggingface_hub import HfApi

@@ -6,7 +6,7 @@ Subclasses Transformers' classes, so module paths, parameter names (``mlp.gate.w
 multi-head latent attention's parameters, ``generate`` and the KV cache are Transformers' own (the
 attention runs torch's fast kernels and keeps packed documents apart by their offsets); the sparse block and the decoder norms are moetune's. Like Transformers' model it has no aux loss (the
 router balances through its score-correction bias) and ignores the multi-token-prediction layer
-that Hub checkpoints store as ``model.layers.61``.
+that Hub checkpoints store after the last decoder layer (``model.layers.61`` of 61 layers).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from moetune.moe import GroupedExperts, GroupLimitedSigmoidRouter, MoEBlock
 CHECKPOINT_LAYOUT = CheckpointLayout(
     fused_experts=SWIGLU_EXPERTS.fused_experts,
     fp8_block_scaled=True,  # the Hub's DeepSeek-V3 and Kimi-K2 files are FP8
-    ignored_keys=(*SWIGLU_EXPERTS.ignored_keys, r"^model\.layers\.61\."),  # Transformers' rule, as its class
+    trailing_mtp_layers=True,  # the Hub's model.layers.61 (of 61 layers) is the MTP module
 )
 
 
