@@ -33,8 +33,10 @@ class MoetuneOptions:
     """FSDP2 mixed precision: dtype of the gradient reduce-scatter; None: the compute dtype."""
     ep_capacity_factor: float | None = None
     """Expert parallelism: None sends exactly the routed rows (one host sync per MoE layer for the
-    split sizes); a number sends fixed blocks of ceil(factor x rows / ep_size) rows to each rank, with
-    no host sync; rows beyond it are dropped, never when factor >= ep_size."""
+    split sizes); a number sends fixed blocks of ceil(factor x rows / ep_size) rows to each rank, rows
+    counted on the rank with the most tokens (eager: one host sync per MoE layer for the token counts;
+    none under CUDA-graph capture or torch.compile, which need equal counts); rows beyond it are
+    dropped, never when factor >= ep_size."""
     ep_overlap_chunks: int = 1
     """Expert parallelism: 1 runs each MoE layer's dispatch all-to-all, experts and combine all-to-all
     one after another; C >= 2 splits the layer's tokens into C chunks and pipelines them, so that on

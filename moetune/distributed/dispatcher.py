@@ -7,9 +7,11 @@ these all-to-alls with the experts by chunking the tokens, with the helpers belo
 
 Host synchronisation: ``ExpertParallelDispatcher`` has exactly one per MoE layer and forward, in
 ``dispatch``: the all-to-all of the rows needs its split sizes on the host (``exchange_counts``);
-combine and the backward reuse them. ``CapacityExpertParallelDispatcher`` has none: fixed-size
-blocks per peer (``ep_capacity_factor``). (The CPU / ``loop`` experts path adds its own sync for
-per-expert sizes.)
+combine and the backward reuse them. ``CapacityExpertParallelDispatcher`` sends fixed-size blocks
+per peer (``ep_capacity_factor``), sized from the group's largest token count: none inside a CUDA-graph
+capture or a ``torch.compile`` trace (this rank's own count, equal counts required), one per MoE layer
+in eager calls (the counts, so ranks with fewer tokens size their blocks as their peers do). (The CPU /
+``loop`` experts path adds its own sync for per-expert sizes.)
 
 Shape legend: T tokens on this rank, H hidden, K experts per token, N = T*K routed rows sent,
 M rows received, E experts in the model, L = E / ep experts on this rank, R = ep ranks, C chunks
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moetune.distributed.token_counts import LargestTokenCount
 from moetune.kernels import moe_permute
 from moetune.moe.dispatch import Experts, PermutationState, TokenDispatcher, apply_experts, permute, sort_ids, unpermute
 from moetune.moe.experts import GroupedExperts
@@ -247,9 +250,11 @@ class CapacityState:
 
 
 class CapacityExpertParallelDispatcher(TokenDispatcher):
-    """Expert parallelism without a host sync: every rank sends each peer a fixed ``capacity`` rows.
+    """Expert parallelism with shapes known to the host: every rank sends each peer ``capacity`` rows.
 
-    ``capacity = ceil(capacity_factor * T*K / ep)``; with ``capacity_factor >= ep`` no row is ever
+    ``capacity = ceil(capacity_factor * T*K / ep)``, T the largest token count of the group (every
+    rank must send and receive blocks of one size; ``LargestTokenCount``: no host sync under
+    CUDA-graph capture or torch.compile, where the counts must be equal); with ``capacity_factor >= ep`` no row is ever
     dropped (results equal ``ExpertParallelDispatcher``'s) at the cost of buffers and expert rows
     ep times the average. Rows over capacity are dropped: their expert output is zero (the token
     keeps its other experts and the residual). Padding rows are sorted last and left out of the
@@ -263,11 +268,15 @@ class CapacityExpertParallelDispatcher(TokenDispatcher):
         self.group = group
         self.ep_size = ep_size
         self.capacity_factor = capacity_factor
+        self._largest_tokens = LargestTokenCount(group, what="ep_capacity_factor (the expert-parallel group's tokens)")
 
     def dispatch(self, x_TH: torch.Tensor, routing: Routing, *, num_experts: int):
         x_NH, counts_E, local = permute(x_TH, routing, num_experts=num_experts)
         num_rows, num_local, ep = x_NH.shape[0], num_experts // self.ep_size, self.ep_size
-        capacity = max(1, math.ceil(self.capacity_factor * num_rows / ep))
+        # Sized from the group's largest count: a rank with fewer tokens sends padding, so every block
+        # of the all-to-all has one size on both sides.
+        largest_rows = self._largest_tokens(x_TH.shape[0]) * routing.experts_TK.shape[1]
+        capacity = max(1, math.ceil(self.capacity_factor * largest_rows / ep))
         expert_N = routing.experts_TK.reshape(-1).index_select(0, local.order_N)
         dest_N = torch.div(expert_N, num_local, rounding_mode="floor")
         rows_R = counts_E.view(ep, num_local).sum(dim=1)

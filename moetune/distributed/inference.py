@@ -31,6 +31,31 @@ RESHARD_ATTR = "_moetune_reshard_after_forward"
 """Each FSDP2 module's own reshard_after_forward, recorded by ``apply_fsdp`` (True if absent)."""
 
 
+class NoGradForInferenceMode:
+    """Mixed into an FSDP2 root by ``run_inference_mode_as_no_grad``: a call under
+    ``torch.inference_mode`` runs as ``torch.no_grad`` (same outputs, plain tensors).
+
+    Why: FSDP2 allocates the gathered parameters' buffers in the mode of the call that first gathers
+    them and reuses them afterwards; gathered under inference mode they are inference tensors, and the
+    next forward outside it (a training step, a ``no_grad`` evaluation) fails writing into them
+    ("Inplace update to inference tensor outside InferenceMode"; upstream, pytorch/pytorch#197327). The
+    root's pre-forward hook gathers before ``forward`` runs, so the mode is switched around the call.
+    """
+
+    def __call__(self, *args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():
+                return super().__call__(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+
+def run_inference_mode_as_no_grad(model: nn.Module) -> None:
+    """Give ``model`` (an FSDP2 root) ``NoGradForInferenceMode``'s ``__call__``; its class keeps its
+    name (``config.architectures`` and logs read it)."""
+    cls = type(model)
+    model.__class__ = type(cls.__name__, (NoGradForInferenceMode, cls), {"__module__": cls.__module__})
+
+
 @contextlib.contextmanager
 def gathered_for_inference(model: nn.Module, *, max_fraction: float = 0.5) -> Iterator[bool]:
     """Keep ``model``'s FSDP2 parameters gathered inside the block (every rank must enter it); yields
@@ -39,9 +64,10 @@ def gathered_for_inference(model: nn.Module, *, max_fraction: float = 0.5) -> It
     if not modules or not _fits_everywhere(modules, max_fraction):
         yield False
         return
-    for module in modules:
-        module.unshard()
-        module.set_reshard_after_forward(False, recurse=False)
+    with torch.inference_mode(False):  # see NoGradForInferenceMode: no inference-tensor buffers
+        for module in modules:
+            module.unshard()
+            module.set_reshard_after_forward(False, recurse=False)
     setattr(model, KEEP_GATHERED_ATTR, True)
     try:
         yield True

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from moetune.distributed.allgather_dispatcher import AllGatherExpertParallelDispatcher
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
-from moetune.distributed.inference import KEEP_GATHERED_ATTR, RESHARD_ATTR
+from moetune.distributed.inference import KEEP_GATHERED_ATTR, RESHARD_ATTR, run_inference_mode_as_no_grad
 from moetune.distributed.mesh import (
     ParallelMesh,
     build_mesh,
@@ -39,6 +39,7 @@ from moetune.distributed.mesh import (
 )
 from moetune.distributed.pipelined_dispatcher import PipelinedExpertParallelDispatcher
 from moetune.distributed.vocab_parallel import shard_vocabulary
+from moetune.distributed.sharded_init import sharded_init_functions
 from moetune.distributed.replicate import (
     ReplicatedGradientSync,
     broadcast_parameters,
@@ -66,7 +67,8 @@ class ParallelConfig:
     manages the parameters that exist when it shards), or None."""
     ep_capacity_factor: float | None = None
     """None: exact all-to-all splits (one host sync per MoE layer). A number: fixed per-peer buffers of
-    ceil(factor * routed rows / ep) rows, no host sync; >= ep never drops a token (see dispatcher.py)."""
+    ceil(factor * routed rows / ep) rows (of the rank with the most tokens; no host sync under capture or
+    compile); >= ep never drops a token (see dispatcher.py)."""
     ep_overlap_chunks: int = 1
     """1: each MoE layer's all-to-alls and experts run one after another. C >= 2: the layer's tokens go
     in C chunks whose all-to-alls overlap the experts of other chunks on CUDA (pipelined_dispatcher.py).
@@ -345,6 +347,7 @@ def apply_fsdp(model: nn.Module, mesh: ParallelMesh, config: ParallelConfig) -> 
     # (evaluation, generation, expert counts): an optimizer built then would hold FSDP2's temporary
     # unsharded tensors instead of the parameters, and every update of the LM head would be lost.
     model.register_forward_hook(_reshard_after_inference)
+    run_inference_mode_as_no_grad(model)
     if mesh.device_type == "cpu":
         # gloo has neither ReduceOp.AVG nor PREMUL_SUM: sum in the collective, divide locally.
         for module in model.modules():
@@ -448,5 +451,5 @@ def allocate(model: nn.Module, device: torch.device, *, init_weights: bool) -> N
 
     materialize(model, device)
     if init_weights:
-        with torch.no_grad():
+        with torch.no_grad(), sharded_init_functions():
             model.init_weights()

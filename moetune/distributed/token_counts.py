@@ -1,8 +1,9 @@
 """The largest token count of a process group, for collectives that need one shape on every rank
-(the all-gather dispatcher's tokens, the replicated embedding's gradient rows).
+(the all-gather dispatcher's tokens, the capacity dispatcher's blocks, the replicated embedding's
+gradient rows).
 
 Eager calls exchange the counts (one host sync) so a shorter rank can pad itself. Calls being
-captured in a CUDA graph cannot read a device value on the host: they take this rank's own count,
+captured in a CUDA graph or traced by torch.compile cannot read a device value on the host: they take this rank's own count,
 which is right when the eager warm-up found the counts equal (packed, fixed-shape micro-batches);
 after an eager call with unequal counts a capture raises, instead of issuing collectives of
 mismatched sizes.
@@ -15,6 +16,9 @@ import torch.distributed as dist
 
 
 def _capturing() -> bool:
+    """Inside a CUDA-graph capture or a torch.compile trace: no device value can reach the host."""
+    if torch.compiler.is_compiling():
+        return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 

@@ -295,6 +295,16 @@ def one_step_parity(
     _compare_grads(model, ref, what=what)
 
 
+def _forward_in_inference_mode(model) -> None:
+    """Under torch.inference_mode, then no_grad: equal logits (FSDP2's gathered buffers must not become
+    inference tensors, or the step after fails writing into them)."""
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(dist.get_rank()))
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, logits)
+
+
 def recipe_host_sums(rank: int, world_size: int) -> None:
     """The recipe's per-step host numbers are summed over its own gloo group, on the CPU."""
     from moetune.recipe.config import DistributedConfig, TrainingConfig
@@ -324,6 +334,10 @@ def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str,
     # A user's mesh; ep = 1 over it is plain FSDP2 over both ranks.
     one_step_parity(rank, world_size, folder, what="user mesh (2, 1)", device_mesh=_mesh(2, 1))
     mixed_precision_and_from_config(rank, world_size, folder)
+    one_step_parity(rank, world_size, folder, what="after an inference_mode forward", ep_size=2,
+                    prepare=_forward_in_inference_mode)  # fmt: skip
+    from_config_draws_like_one_process(rank, world_size, ep=2)
+    from_config_draws_like_one_process(rank, world_size, ep=2, **ALLGATHER_REPLICATE)
     # Capacity-padded dispatch: with factor >= ep nothing is dropped, so it is exact too.
     one_step_parity(rank, world_size, folder, what="ep=2, capacity 2.0", ep_size=2, ep_capacity_factor=2.0)
     dispatchers(rank, world_size)
@@ -392,7 +406,8 @@ def rebalanced_experts_parity(rank: int, world_size: int, folder: str, *, ep: in
 
 def dispatchers(rank: int, world_size: int) -> None:
     """The dispatchers alone: round trip through an elementwise 'expert' equals the local dispatcher's;
-    the capacity dispatcher never asks the host for a value; a small capacity drops rows, not tokens."""
+    the capacity dispatcher asks the host only for the group's token counts (one per eager dispatch);
+    a small capacity drops rows, not tokens; ranks with different token counts size their blocks alike."""
     from moetune.distributed import CapacityExpertParallelDispatcher, ExpertParallelDispatcher
     from moetune.moe import LocalTokenDispatcher, Routing
 
@@ -418,7 +433,7 @@ def dispatchers(rank: int, world_size: int) -> None:
     with host_syncs() as syncs:
         padded, _ = round_trip(CapacityExpertParallelDispatcher(group=group, ep_size=world_size, capacity_factor=2.0))
         dropping, _ = round_trip(CapacityExpertParallelDispatcher(group=group, ep_size=world_size, capacity_factor=0.5))
-    assert not syncs, f"host syncs in the capacity dispatcher: {syncs}"
+    assert syncs == ["tolist", "tolist"], f"host syncs in the capacity dispatcher: {syncs}"
     torch.testing.assert_close(padded, expected)
     torch.testing.assert_close(torch.autograd.grad(padded.sum(), x)[0], grad_exact)
     # Rank 0's experts get more than capacity rows from every rank: some (token, expert) pairs drop.
@@ -426,6 +441,18 @@ def dispatchers(rank: int, world_size: int) -> None:
     flag = dropped.any().float()
     dist.all_reduce(flag)
     assert flag.item() > 0, "capacity 0.5 dropped nothing"
+
+    # Different token counts on the ranks (rank r keeps 12 - 3r tokens): blocks sized from the
+    # largest; with capacity_factor = ep nothing drops, so it equals the local dispatcher.
+    short = num_tokens - 3 * rank
+    x_short = x[:short]
+    routing_short = Routing(routing.logits_TE[:short], routing.weights_TK[:short], routing.experts_TK[:short])
+    uneven = CapacityExpertParallelDispatcher(group=group, ep_size=world_size, capacity_factor=float(world_size))
+    rows, _, state = uneven.dispatch(x_short, routing_short, num_experts=num_experts)
+    got = uneven.combine(rows * 2.0, state)
+    local = LocalTokenDispatcher()
+    rows_local, _, state_local = local.dispatch(x_short, routing_short, num_experts=num_experts)
+    torch.testing.assert_close(got, local.combine(rows_local * 2.0, state_local))
 
 
 @contextlib.contextmanager
@@ -590,8 +617,48 @@ def mixed_precision_and_from_config(rank: int, world_size: int, folder: str) -> 
     distributed_loss(fresh, 0, rank, world_size, vocab).backward()
 
 
+def _meta_initialised(config):
+    """One process's ``init_weights`` after building on the meta device (the order the sharded
+    path draws in), seed 0."""
+    from moetune.auto import materialize
+    from moetune.models.registry import family_for
+
+    family = family_for(config)
+    with torch.device("meta"):
+        model = family.causal_lm._from_config(config, attn_implementation=family.default_attention)
+    materialize(model, "cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights()
+    return model
+
+
+def from_config_draws_like_one_process(rank: int, world_size: int, *, ep: int, families=None, **options) -> None:
+    """``from_config`` under EP / FSDP2 with the same seed on every rank (``transformers.set_seed``):
+    each shard is its part of the full tensors one process draws (no shard repeats another, as each
+    rank drawing its local shard from its own generator gave), for every family; Nemotron-H's
+    ``init.copy_`` of plain tensors into its sharded Mamba-2 parameters works."""
+    from tests.conftest import tiny_qwen3_moe_config
+    from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
+    from tests.test_gpt_oss_parity import tiny_gpt_oss_config
+    from tests.test_nemotron_h_parity import tiny_nemotron_h_config
+
+    configs = {"qwen3_moe": lambda: tiny_qwen3_moe_config(vocab_size=64), "deepseek_v3": tiny_deepseek_v3_config,
+               "gpt_oss": tiny_gpt_oss_config, "nemotron_h": tiny_nemotron_h_config}  # fmt: skip
+    for name in families or configs:
+        torch.manual_seed(0)
+        model = moetune.AutoModelForCausalLM.from_config(configs[name](), ep_size=ep, **options)
+        expected = dict(_meta_initialised(configs[name]()).named_parameters())
+        for param_name, param in model.named_parameters():
+            assert torch.equal(gathered(param.data), expected[param_name].data), f"{name} {options}: {param_name}"
+        down = next(p for n, p in model.named_parameters() if n.endswith("experts.down_proj"))
+        experts = gathered(down.data)
+        assert not torch.equal(experts[0], experts[experts.shape[0] // 2]), f"{name}: expert shards repeat"
+
+
 def four_process_suite(rank: int, world_size: int, folder: str, two_experts_folder: str, out: str) -> None:
     assert world_size == 4
+    from_config_draws_like_one_process(rank, world_size, ep=2, families=["qwen3_moe", "nemotron_h"])  # ep 2 x dp 2
     train_parity(rank, world_size, folder, 4, out)
     train_parity(rank, world_size, folder, 2, out)  # ep 2 x dp_shard_mod_ep 2
     one_step_parity(
