@@ -3,7 +3,8 @@
     moetune finetune                                   # the embedded default job
     moetune finetune -c examples/qwen3_30b_a3b_sft.yaml --optim.lr 1e-5
     moetune finetune -c cfg.yaml --nproc-per-node 8     # re-executed through torchrun
-    moetune finetune --help                            # every config field, its default and doc
+    moetune finetune --help-config                     # every config field, its default and doc
+    moetune finetune --help                            # the command's own options
     moetune bench --layers 8 --routing both            # side by side with Transformers v5 (GPU)
 """
 

@@ -4,9 +4,10 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step_<N>/`` holding
 - ``state/``: model and optimizer states through ``torch.distributed.checkpoint`` (each rank
   writes its own shards under FSDP2; plain tensors in one process),
 - ``rng_rank<R>.pt``: every random generator of rank R,
-- ``train_state.json``: step, data position, model fingerprint; written last.
+- ``train_state.json``: step, data position, data settings, model fingerprint; written last.
 It is written to ``.tmp_step_<N>`` and renamed, so a crash never leaves a half checkpoint
-under a real name. The learning rate is a function of the step and needs no state.
+under a real name. The learning rate is a function of the step and needs no state. One
+``output_dir`` holds one run's history (``check_output_dir``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import random
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +26,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from moetune.lora import LoraSettings
 from moetune.recipe.distributed_setup import Runtime, barrier
 
 STATE_FILE = "train_state.json"
@@ -42,6 +44,9 @@ class TrainState:
     """Model architecture and shapes, plus the LoRA settings: must match to resume."""
     world_size: int
     """Data-parallel ranks that wrote it (the data order depends on it)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The data and batching settings the data position depends on (``train.resume_settings``), by
+    dotted config key; empty in checkpoints of older moetune versions."""
 
 
 def checkpoint_root(output_dir: str) -> Path:
@@ -93,9 +98,42 @@ def resolve_resume(resume: str, *, output_dir: str) -> Path | None:
         found = list_checkpoints(output_dir)
         return found[-1] if found else None
     path = Path(resume)
+    if not path.exists():
+        raise ValueError(f"checkpoint.resume: {path} does not exist")
     if not (path / STATE_FILE).is_file():
-        raise ValueError(f"checkpoint.resume: {path} is not a complete checkpoint (no {STATE_FILE})")
+        found = list_checkpoints(str(path))
+        hint = (f"; it is a run's output folder, whose latest checkpoint is {found[-1]} (or resume it with "
+                f"--checkpoint.resume auto --training.output_dir {path})") if found else ""
+        raise ValueError(f"checkpoint.resume: {path} is not a complete checkpoint (no {STATE_FILE}){hint}")
     return path
+
+
+def check_output_dir(output_dir: str, *, resume: Path | None) -> None:
+    """Refuse to put a run's checkpoints beside another history's in ``output_dir``: keep-last would
+    delete some of them and ``checkpoint.resume auto`` would later pick the newest, whichever run
+    wrote it. A fresh run needs a folder without checkpoints; a resume, a folder whose checkpoints are
+    its own past: none newer than the one it resumes, none at all when it resumes from elsewhere."""
+    found = list_checkpoints(output_dir)
+    if not found:
+        return
+    root = checkpoint_root(output_dir)
+    names = ", ".join(p.name for p in found)
+    if resume is None:
+        raise ValueError(
+            f"training.output_dir: {root} already holds checkpoints ({names}) of an earlier run, which this new run "
+            "would mix with or delete. Resume that run with --checkpoint.resume auto, or choose another "
+            "training.output_dir (or move that folder away)")
+    if resume.resolve().parent != root.resolve():
+        raise ValueError(
+            f"checkpoint.resume: {resume} is not one of the checkpoints in {root} ({names}), which belong to "
+            "another run and would be mixed with this one's; resume into another training.output_dir")
+    step = read_train_state(resume).step
+    newer = [p.name for p in found if int(p.name.split("_")[1]) > step]
+    if newer:
+        raise ValueError(
+            f"checkpoint.resume: {resume} is older than {', '.join(newer)} in the same folder; going on from it "
+            f"there would mix two histories in {root} (its steps would replace or sit beside the newer ones, and "
+            "--checkpoint.resume auto would pick the newest). Resume from it into another training.output_dir")
 
 
 def read_train_state(path: Path) -> TrainState:
@@ -103,13 +141,52 @@ def read_train_state(path: Path) -> TrainState:
     return TrainState(**json.loads((path / STATE_FILE).read_text()))
 
 
+def lora_fingerprint(lora: LoraSettings | None) -> dict[str, Any] | None:
+    """What a resume compares of the LoRA settings: those of ``moetune.lora.LoraSettings`` (they shape
+    or train the adapters), the targets as a set; not the recipe's switches (``lora.export_merged``)."""
+    if lora is None:
+        return None
+    settings = {f.name: getattr(lora, f.name) for f in fields(LoraSettings)}
+    settings["target_modules"] = sorted(set(settings["target_modules"]))
+    return settings
+
+
+def _comparable(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    """The fingerprint with its LoRA settings as flat ``lora.<name>`` keys, each compared on its own:
+    older checkpoints stored every field of the recipe's lora section (switches included, targets in
+    the order given), and a setting one of them did not record is not held against it."""
+    if "lora" not in fingerprint:
+        return fingerprint
+    out = {k: v for k, v in fingerprint.items() if k != "lora"}
+    lora = fingerprint["lora"]
+    out["lora"] = lora is not None  # on or off
+    for f in fields(LoraSettings):
+        if lora is not None and f.name in lora:
+            value = lora[f.name]
+            out[f"lora.{f.name}"] = sorted(set(value)) if f.name == "target_modules" else value
+    return out
+
+
 def fingerprint_differences(checkpoint: dict[str, Any], job: dict[str, Any]) -> list[str]:
     """``key: checkpoint X, this job Y`` for each fingerprint key that differs. A key only this job
     has is not compared: an older moetune wrote the checkpoint and did not record it (its tensors'
     shapes are still checked when they load)."""
+    checkpoint, job = _comparable(checkpoint), _comparable(job)
     return [f"{key}: checkpoint {checkpoint.get(key)!r}, this job {job.get(key)!r}"
             for key in sorted(checkpoint.keys() | job.keys())
             if key in checkpoint and checkpoint[key] != job.get(key)]
+
+
+def check_compatible(path: Path, state: TrainState, *, fingerprint: dict[str, Any], world_size: int) -> None:
+    """Refuse the checkpoint at ``path`` (its ``state``) for another model (or other LoRA settings) or
+    another number of ranks, saying what differs."""
+    differences = fingerprint_differences(state.fingerprint, fingerprint)
+    if differences:
+        raise ValueError(f"checkpoint.resume: {path} was written for a different model; "
+                         + "; ".join(differences))
+    if state.world_size != world_size:
+        raise ValueError(f"checkpoint.resume: {path} was written by {state.world_size} ranks, this job has "
+                         f"{world_size}; the data order would differ, so the resume would not be exact")
 
 
 def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, runtime: Runtime,
@@ -120,13 +197,7 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
     Refuses a checkpoint of another model (or other LoRA settings, or world size), saying what
     differs, before touching any tensor."""
     state = read_train_state(path)
-    differences = fingerprint_differences(state.fingerprint, fingerprint)
-    if differences:
-        raise ValueError(f"checkpoint.resume: {path} was written for a different model; "
-                         + "; ".join(differences))
-    if state.world_size != runtime.world_size:
-        raise ValueError(f"checkpoint.resume: {path} was written by {state.world_size} ranks, this job has "
-                         f"{runtime.world_size}; the data order would differ, so the resume would not be exact")
+    check_compatible(path, state, fingerprint=fingerprint, world_size=runtime.world_size)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     both = {"model": model_sd, "optim": optim_sd}
     with _single_process_quiet(runtime):

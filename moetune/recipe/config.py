@@ -150,7 +150,9 @@ class TrainingConfig:
     val_every: int = 250
     """Validation loss every this many steps (0: only at the end)."""
     output_dir: str = "outputs/default"
-    """Where checkpoints, metrics, plots and the final Hugging Face export go."""
+    """Where checkpoints, metrics, plots and the final Hugging Face export go. A new run refuses one
+    that holds checkpoints (resume them, or pick another folder); an earlier run's metrics.jsonl is
+    kept as metrics.<time>.jsonl."""
 
 
 @dataclass
@@ -158,9 +160,12 @@ class CheckpointConfig:
     every: int = 0
     """Save a resumable checkpoint every this many steps (0: only on Ctrl-C)."""
     keep_last: int = 2
-    """Number of periodic checkpoints kept; older ones are deleted."""
+    """Number of periodic checkpoints kept; older ones (of the same run) are deleted."""
     resume: str = ""
-    """"auto" (the latest checkpoint in output_dir, if any), a checkpoint directory, or empty."""
+    """"auto" (the latest checkpoint in output_dir, if any), a checkpoint directory, or empty. A run
+    that resumes nothing needs an output_dir without checkpoints; a resume needs the same data and
+    batching settings as the checkpoint, and an output_dir holding no checkpoint newer than it (none
+    at all when it comes from another folder): two histories are never mixed in one folder."""
     export_final: bool = True
     """Write the final model (and tokenizer) in the Hugging Face layout to output_dir/final."""
 
@@ -320,6 +325,7 @@ def validate(config: JobConfig) -> JobConfig:
         ("training.micro_batch_size", config.training.micro_batch_size),
         ("training.grad_accum_steps", config.training.grad_accum_steps),
         ("data.max_length", config.data.max_length),
+        ("data.max_new_tokens", config.data.max_new_tokens),
         ("checkpoint.keep_last", config.checkpoint.keep_last),
         ("metrics.log_every", config.metrics.log_every),
         ("metrics.profile_steps", config.metrics.profile_steps),

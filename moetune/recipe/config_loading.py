@@ -111,16 +111,27 @@ def build(cls: type, values: dict[str, tuple[Any, str]], prefix: str = "") -> An
         raise ValueError(f"config section {prefix.rstrip('.') or 'root'}: {err}") from err
 
 
+NULL_SPELLINGS = ("null", "none", "~")
+"""How null may be written on the command line (lower case): YAML's spellings, and Python's."""
+
+
 def coerce(value: Any, hint: Any, *, name: str, source: str) -> Any:
-    """Convert ``value`` (from YAML or a CLI string) to type ``hint`` or raise ValueError."""
+    """Convert ``value`` (from YAML or a CLI string) to type ``hint`` or raise ValueError. Null (YAML's
+    null / ``~`` / an empty value, or ``null`` / ``none`` / ``~`` on the command line) is None for an
+    optional field and "" for a text field (``--data.test_path null``: no held-out set)."""
 
     def fail(expected: str) -> typing.NoReturn:
         raise ValueError(f"config field {name}: expected {expected}, got {value!r} (from {source})")
 
     origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if type(None) in args and (value is None or str(value).lower() in ("null", "none", "~")):
+    # YAML's null (``key: null``, ``key: ~`` or ``key:`` with nothing after it) arrives as None, the
+    # command line's as a word: both mean "empty", never the string "None".
+    if value is None or (isinstance(value, str) and value.lower() in NULL_SPELLINGS):
+        if origin in (typing.Union, types.UnionType) and type(None) in args:
             return None
+        if hint is str:
+            return ""
+    if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
         assert len(inner) == 1, f"unsupported union in schema: {hint}"
         return coerce(value, inner[0], name=name, source=source)

@@ -1,13 +1,15 @@
 """Read raw rows from local JSONL / JSON / Parquet files or Hugging Face ``datasets``.
 
 Only local data: a file, a ``save_to_disk`` directory, or a dataset already in the local
-``datasets`` cache. Malformed JSONL lines are skipped and counted, or fail, per
-``data.on_bad_row``.
+``datasets`` cache (looked up offline: the Hub is never asked). Malformed JSONL lines and JSON
+rows that are no object are skipped and counted, or fail, per ``data.on_bad_row``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,7 @@ def read_rows(path: str, *, field_name: str, split: str, on_bad_row: str, stats:
         if suffix == ".jsonl":
             rows = _read_jsonl(p, on_bad_row=on_bad_row, stats=stats)
         elif suffix == ".json":
-            rows = _read_json(p, field_name=field_name)
+            rows = _read_json(p, field_name=field_name, on_bad_row=on_bad_row, stats=stats)
         elif suffix == ".parquet":
             import pyarrow.parquet as pq
 
@@ -83,14 +85,21 @@ def _read_jsonl(path: Path, *, on_bad_row: str, stats: ReadStats) -> list[dict[s
     return rows
 
 
-def _read_json(path: Path, *, field_name: str) -> list[dict[str, Any]]:
+def _read_json(path: Path, *, field_name: str, on_bad_row: str, stats: ReadStats) -> list[dict[str, Any]]:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{field_name}: {path} is not valid JSON ({err})") from err
     if not isinstance(data, list):
         raise ValueError(f"{field_name}: {path} must hold a JSON list of rows")
-    return data
+    rows = []
+    for index, row in enumerate(data):  # as a JSONL line that is no object: a bad row, not a crash
+        if not isinstance(row, dict):
+            stats.note_bad(f"{path}: row {index}: a row must be a JSON object, got {type(row).__name__}",
+                           on_bad_row=on_bad_row)
+            continue
+        rows.append(row)
+    return rows
 
 
 def _read_datasets_dir(path: Path, *, split: str, field_name: str) -> list[dict[str, Any]]:
@@ -111,8 +120,38 @@ def _read_datasets_cache(name: str, *, split: str, field_name: str) -> list[dict
     import datasets
 
     try:
-        ds = datasets.load_dataset(name, split=split)
-    except Exception as err:  # datasets raises many types for "not cached and offline"
-        raise ValueError(f"{field_name}: {name!r} is neither a local file or directory nor a dataset "
-                         f"in the local `datasets` cache ({type(err).__name__}: {err})") from err
+        with _hub_offline():
+            ds = datasets.load_dataset(name, split=split)
+    except (ConnectionError, FileNotFoundError) as err:  # not cached (offline, load_dataset finds nothing else)
+        raise ValueError(f"{field_name}: {name} does not exist (and is no dataset in the local `datasets` cache "
+                         f"{datasets.config.HF_DATASETS_CACHE}; nothing is downloaded)") from err
+    except Exception as err:  # datasets raises many types (a cached dataset without that split, ...)
+        raise ValueError(f"{field_name}: {name} does not exist as a file or directory, and the dataset of that name "
+                         f"in the local `datasets` cache could not be read with data.split {split!r} "
+                         f"({type(err).__name__}: {err})") from err
     return ds.to_list()
+
+
+@contextlib.contextmanager
+def _hub_offline() -> Iterator[None]:
+    """``datasets`` and ``huggingface_hub`` in offline mode for the block, whatever the environment says:
+    ``load_dataset(name)`` then finds a dataset in the local cache and never asks the Hub.
+
+    HF_HUB_OFFLINE / HF_DATASETS_OFFLINE are read once, when the libraries are imported, so setting the
+    environment here would change nothing: the flags are set on the modules that read them at call
+    time (``datasets.config``: its offline check before each Hub call; ``huggingface_hub.constants``:
+    ``is_offline_mode``, which its HTTP client checks before each request), and restored after."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    flags = [(module, attr) for module, attr in [
+        (datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
+        (huggingface_hub.constants, "HF_HUB_OFFLINE")] if hasattr(module, attr)]
+    saved = [getattr(module, attr) for module, attr in flags]
+    for module, attr in flags:
+        setattr(module, attr, True)
+    try:
+        yield
+    finally:
+        for (module, attr), value in zip(flags, saved):
+            setattr(module, attr, value)

@@ -34,17 +34,22 @@ def prepare_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, seed
     train, val = split_validation(samples, fraction=config.val_fraction, seed=seed)
     eval_set = None
     if config.test_path:
+        test_stats = ReadStats()
         test_rows = read_rows(config.test_path, field_name="data.test_path", split=config.split,
-                              on_bad_row=config.on_bad_row, stats=ReadStats())
+                              on_bad_row=config.on_bad_row, stats=test_stats)
         conversations = []
         for index, row in enumerate(test_rows):
             messages = row_to_messages(row, messages_column=config.messages_column,
                                        prompt_column=config.prompt_column, answer_column=config.answer_column)
             if isinstance(messages, str):
-                if config.on_bad_row == "fail":
-                    raise ValueError(f"data.test_path: row {index}: {messages}")
+                test_stats.note_bad(f"data.test_path: row {index}: {messages}", on_bad_row=config.on_bad_row)
                 continue
             conversations.append(messages)
+        if not conversations:  # refused before training, as an empty training set is: "0.0% of 0" means nothing
+            problems = f"; first problems: {' | '.join(test_stats.examples)}" if test_stats.examples else ""
+            raise ValueError(f"data.test_path: no usable rows in {config.test_path} ({test_stats.rows} rows read, "
+                             f"{test_stats.bad_rows} malformed rows skipped{problems}); fix the file, or set "
+                             "data.test_path empty for no held-out accuracy")
         if config.num_eval_samples:
             conversations = conversations[: config.num_eval_samples]
         eval_set = build_eval_set(conversations, tokenizer)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import resource
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,12 +105,40 @@ def peak_memory_gib(device: torch.device) -> float:
     return kib / 2**20 if sys.platform != "darwin" else kib / 2**30
 
 
+def start_metrics_file(path: Path, *, resumed_step: int) -> None:
+    """Make ``path`` hold one run's history before the run appends to it. A fresh run
+    (``resumed_step`` 0) starts it anew, an earlier run's file kept beside it as
+    ``metrics.<its last write time>.jsonl``; a resumed run keeps the records up to its step and
+    drops those after it (steps it is about to redo, or a crash's half-written line)."""
+    if not path.exists():
+        return
+    if resumed_step == 0:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.localtime(path.stat().st_mtime))
+        kept, n = path.with_name(f"metrics.{stamp}.jsonl"), 1
+        while kept.exists():
+            kept, n = path.with_name(f"metrics.{stamp}-{n}.jsonl"), n + 1
+        os.replace(path, kept)
+        return
+    lines = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("step", 0) <= resumed_step:
+            lines.append(line)
+    tmp = path.with_name(f".{path.name}.tmp")  # replaced in one step: a crash here loses nothing
+    tmp.write_text("".join(line + "\n" for line in lines))
+    os.replace(tmp, path)
+
+
 class MetricsSink:
     """Writes one record per log step to every enabled sink. Only rank 0 builds one."""
 
     def __init__(self, config: MetricsConfig, *, output_dir: Path, total_steps: int, initial_step: int,
                  run_config: dict[str, Any]) -> None:
         output_dir.mkdir(parents=True, exist_ok=True)
+        start_metrics_file(output_dir / "metrics.jsonl", resumed_step=initial_step)
         self.jsonl = (output_dir / "metrics.jsonl").open("a")
         self.bar = None
         if config.progress_bar:

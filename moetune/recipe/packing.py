@@ -292,19 +292,23 @@ class BatchStream:
         return state
 
     def check_resumable(self, state: dict, where: str = "checkpoint.resume") -> None:
-        """Raise if ``state`` counts rows packed another way than this stream packs them (the resume
-        would repeat some samples and skip others). Checkpoints from before ``data.packing_strategy``
-        existed packed in order."""
-        saved = state.get("packing_strategy", "in_order")
-        if self.packed and saved != self.packing_strategy:
-            raise ValueError(
-                f"{where}: the checkpoint's data position counts rows packed with data.packing_strategy "
-                f"{saved!r}, this job packs with {self.packing_strategy!r}: the resume would not continue the "
-                f"same data order. Resume with --data.packing_strategy {saved}")
+        check_resumable(state, packed=self.packed, packing_strategy=self.packing_strategy, where=where)
 
     def load_state_dict(self, state: dict) -> None:
         self.check_resumable(state)
         self.position = DataPosition(epoch=int(state["epoch"]), micro_batch=int(state["micro_batch"]))
+
+
+def check_resumable(state: dict, *, packed: bool, packing_strategy: str, where: str = "checkpoint.resume") -> None:
+    """Raise if the data position ``state`` counts rows packed another way than ``packing_strategy``
+    (the resume would repeat some samples and skip others). Checkpoints from before
+    ``data.packing_strategy`` existed packed in order."""
+    saved = state.get("packing_strategy", "in_order")
+    if packed and saved != packing_strategy:
+        raise ValueError(
+            f"{where}: the checkpoint's data position counts rows packed with data.packing_strategy "
+            f"{saved!r}, this job packs with {packing_strategy!r}: the resume would not continue the "
+            f"same data order. Resume with --data.packing_strategy {saved}")
 
 
 def fixed_batches(samples: list[Sample], *, micro_batch_size: int, max_length: int, packed: bool,

@@ -24,7 +24,7 @@ from moetune.recipe.interrupts import StopRequest
 from moetune.recipe.model_loading import (
     build_model, check_model_for_job, load_model_config, load_tokenizer, model_fingerprint,
 )
-from moetune.recipe.packing import Batch, BatchStream, fixed_batches, max_documents_per_row
+from moetune.recipe.packing import Batch, BatchStream, check_resumable, fixed_batches, max_documents_per_row
 from moetune.recipe.profiling import StepProfiler
 from moetune.recipe.step import GraphedTrainStep, NonFiniteLossError, StepResult, train_step
 from moetune.training import set_learning_rate
@@ -74,8 +74,9 @@ def finetune(config: JobConfig) -> FinetuneResult:
         if config.training.num_threads:
             torch.set_num_threads(config.training.num_threads)
         seed_everything(config.training.seed)
+        resume = checkpoint_to_resume(config, runtime)  # before anything is built: a refusal costs nothing
         job = build_job(config, runtime)
-        step = resume_if_asked(job, config)
+        step = resume_from(job, resume)
         sink = open_sink(job, config, step)
         result = FinetuneResult(step=step)
         if step == 0:
@@ -111,7 +112,7 @@ class Job:
     expert_load: metrics.ExpertLoad | None
     fingerprint: dict[str, Any]
     base_path: str
-    """The base checkpoint a LoRA adapter applies to."""
+    """The base checkpoint a LoRA adapter applies to (an absolute path)."""
     autocast: Callable[[], contextlib.AbstractContextManager]
     out_dir: Path
     num_offsets: int | None = None
@@ -139,6 +140,8 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
     base_path = config.model.pretrained_path
     if lora is not None:
         base_path = base_path or _save_random_base(hf_model, tokenizer, out_dir / "base", runtime)
+        # Absolute: the adapter's base_model_name_or_path is read from wherever the adapter is loaded.
+        base_path = str(Path(base_path).resolve())
         if sharding is None:  # sharded models got their adapters between expert parallelism and FSDP2
             from moetune.lora import apply_lora
 
@@ -159,7 +162,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
         expert_load=metrics.ExpertLoad(num_layers=len(moe_layers), num_experts=metrics.num_routed_experts(model_config),
                                        top_k=model_config.num_experts_per_tok, device=runtime.device)
         if moe_layers else None,
-        fingerprint={**model_fingerprint(model_config), "lora": to_dict(config.lora) if config.lora.enabled else None},
+        fingerprint=job_fingerprint(config, model_config),
         base_path=base_path, autocast=autocast_for(precision, runtime.device), out_dir=out_dir,
         num_offsets=_num_document_offsets(data, config) if takes_offsets else None, cuda_graph=cuda_graph,
     )
@@ -195,12 +198,64 @@ def _num_document_offsets(data: PreparedData, config: JobConfig) -> int | None:
     return config.training.micro_batch_size * per_row + 1
 
 
-def resume_if_asked(job: Job, config: JobConfig) -> int:
-    """Load the checkpoint ``checkpoint.resume`` points to, if any; returns the step to start from."""
+def job_fingerprint(config: JobConfig, model_config: PretrainedConfig) -> dict[str, Any]:
+    """What a checkpoint's model must match to resume into this job: architecture, shapes, LoRA settings."""
+    return {**model_fingerprint(model_config),
+            "lora": checkpointing.lora_fingerprint(config.lora if config.lora.enabled else None)}
+
+
+def resume_settings(config: JobConfig) -> dict[str, Any]:
+    """The settings the data position in a checkpoint counts in, by dotted key: a resume with other
+    values would not continue the same data (other samples, rows or batches per step), so it is
+    refused. ``training.steps`` may grow (the schedule is a function of it: a longer run), the optimizer
+    settings may change (a deliberate choice); ``data.packing_strategy`` is checked with the position."""
+    data, training = config.data, config.training
+    train_path = Path(data.train_path)
+    settings: dict[str, Any] = {
+        # Resolved, so that the same file named from another directory is the same data.
+        "data.train_path": str(train_path.resolve()) if train_path.exists() else data.train_path,
+        "data.split": data.split, "data.messages_column": data.messages_column,
+        "data.prompt_column": data.prompt_column, "data.answer_column": data.answer_column,
+        "data.max_length": data.max_length, "data.val_fraction": data.val_fraction, "data.packing": data.packing,
+        "training.micro_batch_size": training.micro_batch_size, "training.grad_accum_steps": training.grad_accum_steps,
+        "training.seed": training.seed,
+    }
+    if not data.packing:  # packed rows are always max_length wide
+        settings["data.pad_to_multiple_of"] = data.pad_to_multiple_of
+    return settings
+
+
+def checkpoint_to_resume(config: JobConfig, runtime: Runtime) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` points to (None: a fresh run), checked against this job
+    from its small files before any data is read or model built: that it exists and is complete, that
+    the output folder holds no other history (``checkpointing.check_output_dir``), and that it resumes
+    exactly (the same data and batching settings, packing, model, LoRA settings and ranks, and
+    steps left to train)."""
     path = checkpointing.resolve_resume(config.checkpoint.resume, output_dir=config.training.output_dir)
+    checkpointing.check_output_dir(config.training.output_dir, resume=path)
+    if path is None:
+        return None
+    where = f"checkpoint.resume: {path}"
+    state = checkpointing.read_train_state(path)
+    if config.training.steps < state.step:
+        raise ValueError(f"{where}: the checkpoint is at step {state.step}, training.steps is {config.training.steps}; "
+                         f"set training.steps to {state.step} or more to resume it")
+    # A key an older checkpoint did not record is not compared (fingerprint_differences).
+    changed = checkpointing.fingerprint_differences(state.settings, resume_settings(config))
+    if changed:
+        raise ValueError(f"{where} was written with other data or batching settings, so the resume would not continue "
+                         f"the same data: {'; '.join(changed)}. Resume with the checkpoint's values, or start a new run "
+                         "in another training.output_dir")
+    check_resumable(state.data, packed=config.data.packing, packing_strategy=config.data.packing_strategy, where=where)
+    checkpointing.check_compatible(path, state, fingerprint=job_fingerprint(config, load_model_config(config.model)),
+                                   world_size=runtime.world_size)
+    return path
+
+
+def resume_from(job: Job, path: Path | None) -> int:
+    """Load the checkpoint at ``path`` (``checkpoint_to_resume``), if any; returns the step to start from."""
     if path is None:
         return 0
-    job.stream.check_resumable(checkpointing.read_train_state(path).data, f"checkpoint.resume: {path}")  # before any tensor
     state, rank_tensors = checkpointing.load_checkpoint(path, model=job.model, optimizer=job.optimizer,
                                                         runtime=job.runtime, fingerprint=job.fingerprint)
     if job.expert_load is not None and "expert_tokens" in rank_tensors:  # the counts go on from the resume
@@ -309,20 +364,27 @@ def _run_steps(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.
             window_tokens += sum(batch.num_tokens for batch in micro_batches)
             window_slots += sum(batch.input_ids_BT.numel() for batch in micro_batches)
 
+            val_loss = None
+            validating = bool(config.training.val_every and step % config.training.val_every == 0 and job.val_batches)
+            if validating:  # on its own schedule, whether or not the step is also a logging step
+                val_start = time.perf_counter()
+                val_loss = evaluation.validation_loss(job.model, job.val_batches, runtime=job.runtime,
+                                                      autocast=job.autocast, document_offsets=job.num_offsets is not None)
+                sink.message(f"step {step}: validation loss {val_loss:.4f}")
+                window_start += time.perf_counter() - val_start  # not training time: kept out of tokens/s
             if step % config.metrics.log_every == 0 or step == config.training.steps:
                 record = _step_record(step, window, time.perf_counter() - window_start, job,
                                       window_flops / max(window_tokens, 1.0), config)
                 record["row_fill"] = window_tokens / max(window_slots, 1)
-                if config.training.val_every and step % config.training.val_every == 0 and job.val_batches:
-                    record["val_loss"] = evaluation.validation_loss(
-                        job.model, job.val_batches, runtime=job.runtime, autocast=job.autocast,
-                        document_offsets=job.num_offsets is not None)
-                    sink.message(f"step {step}: validation loss {record['val_loss']:.4f}")
+                if validating:
+                    record["val_loss"] = val_loss
                 sink.log(record)
                 sink.advance(len(window), metrics.format_postfix(record))
                 window, window_start = [], time.perf_counter()
                 window_flops = window_tokens = 0.0
                 window_slots = 0
+            elif validating:
+                sink.log({"step": step, "val_loss": val_loss})
 
             # Every rank must agree to stop at the same step (saving is collective).
             stopping = all_reduce_sum([float(stop.requested)], job.runtime)[0] > 0
@@ -336,7 +398,7 @@ def _run_steps(job: Job, config: JobConfig, sink: metrics.MetricsSink | metrics.
 
 def save(job: Job, config: JobConfig, step: int) -> Path:
     state = checkpointing.TrainState(step=step, data=job.stream.state_dict(), fingerprint=job.fingerprint,
-                                     world_size=job.runtime.world_size)
+                                     world_size=job.runtime.world_size, settings=resume_settings(config))
     counts = {"expert_tokens": job.expert_load.counts_LE} if job.expert_load is not None else None
     return checkpointing.save_checkpoint(output_dir=config.training.output_dir, state=state, model=job.model,
                                          optimizer=job.optimizer, runtime=job.runtime,

@@ -65,6 +65,22 @@ def test_lists_tuples_bools_and_none_are_parsed():
     assert config.data.packing is False and config.model.router_aux_loss_coef is None
 
 
+def test_null_is_the_empty_text_or_none_from_yaml_and_the_command_line(tmp_path):
+    """Never the string "None": `data.test_path:` (nothing after it) means no held-out set, as "" does."""
+    path = tmp_path / "job.yaml"
+    path.write_text("data:\n  test_path:\ncheckpoint:\n  resume: null\nmetrics:\n  wandb_project: ~\n"
+                    "model:\n  router_aux_loss_coef: null\n")
+    config = load_config(yaml_path=path)
+    assert (config.data.test_path, config.checkpoint.resume, config.metrics.wandb_project) == ("", "", "")
+    assert config.model.router_aux_loss_coef is None
+    config = load_config(overrides=["--data.test_path", "null", "--checkpoint.resume", "None",
+                                    "--model.router_aux_loss_coef", "~"])
+    assert (config.data.test_path, config.checkpoint.resume, config.model.router_aux_loss_coef) == ("", "", None)
+    path.write_text("training:\n  steps:\n")
+    with pytest.raises(ValueError, match=r"config field training.steps: expected an integer, got None \(from .*job.yaml\)"):
+        load_config(yaml_path=path)
+
+
 def test_unknown_key_names_it_and_the_closest_valid_key(tmp_path):
     with pytest.raises(ValueError, match=r"unknown config key 'optim.lrr' \(from command line\); did you mean 'optim.lr'"):
         load_config(overrides=["--optim.lrr", "1"])
@@ -83,6 +99,7 @@ def test_unknown_key_names_it_and_the_closest_valid_key(tmp_path):
     (["--data.packing_strategy", "first_fit"], "config field data.packing_strategy: 'first_fit' is not one of"),
     (["--data.pad_to_multiple_of", "-8"], "config field data.pad_to_multiple_of: must be >= 0"),
     (["--lora.rank", "-1"], "config section lora: LoraSettings.rank must be a positive int"),
+    (["--data.max_new_tokens", "0"], "config field data.max_new_tokens: must be >= 1, got 0"),
     (["--model.experts_backend", "cublas"], "config field model.experts_backend: experts_backend must be one of .*, got 'cublas'"),
     (["--distributed.ep_overlap_chunks", "0"], "config field distributed.ep_overlap_chunks: must be >= 1, got 0"),
     (["--distributed.replicate_max_ctas", "-1"], "config field distributed.replicate_max_ctas: must be >= 0, got -1"),
@@ -105,6 +122,14 @@ def test_missing_yaml_file_is_named():
 
 def test_every_key_is_reachable_from_the_cli():
     assert "optim.lr" in all_keys() and "lora.target_experts" in all_keys() and "lora.enabled" in all_keys()
+
+
+def test_the_usage_text_points_to_the_option_that_lists_every_field(capsys):
+    assert main([]) == 2
+    usage = capsys.readouterr().err
+    listed = [line.split("#")[0].split()[-1] for line in usage.splitlines() if "every config field" in line]
+    assert listed == ["--help-config"]
+    assert main(["finetune", listed[0]]) == 0 and "--training.output_dir (default" in capsys.readouterr().out
 
 
 def test_cli_help_lists_fields_and_errors_exit_with_the_message(capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -279,14 +280,100 @@ def test_validation_batches_are_as_many_on_every_rank(tokenizer):
     assert per_rank[0][0].num_label_tokens > 0 and per_rank[1][0].num_label_tokens == 0
 
 
-def test_a_dataset_name_not_in_the_local_cache_is_a_clear_error(tmp_path):
+_READ_FROM_CACHE = """
+import json, os, sys
+import datasets
+from datasets.packaged_modules.json.json import Json
+from moetune.recipe.data_sources import ReadStats, read_rows
+
+# A dataset in the local cache as a Hub download leaves it: <cache>/<owner>___<name>/<config>/<version>/<commit>/.
+Json(dataset_name="sft-data", data_files={"train": sys.argv[1]}).download_and_prepare()
+root = datasets.config.HF_DATASETS_CACHE
+built = os.path.join(root, "sft-data")
+config_dir = os.listdir(built)[0]
+os.makedirs(os.path.join(root, "someone___sft-data", "default", "0.0.0"))
+os.rename(os.path.join(built, config_dir, "0.0.0"), os.path.join(root, "someone___sft-data", "default", "0.0.0", "0123abcd"))
+
+def read(name):
+    return read_rows(name, field_name="data.train_path", split="train", on_bad_row="skip", stats=ReadStats())
+
+print(json.dumps(read("someone/sft-data")))
+for name in ["my_sft_data", "someone/not-cached"]:
+    try:
+        read(name)
+    except ValueError as err:
+        print(err)
+"""
+
+
+def test_a_dataset_name_is_looked_up_in_the_local_cache_only(tmp_path):
+    """A name that is no local path reads the local `datasets` cache and never asks the Hub, even with
+    the offline variables unset (HF_ENDPOINT points at a local server that counts requests)."""
+    import http.server
     import os
     import subprocess
     import sys
+    import threading
 
-    code = ("from moetune.recipe.data_sources import ReadStats, read_rows\n"
-            "try:\n    read_rows('someone/sft-data', field_name='data.train_path', split='train', "
-            "on_bad_row='skip', stats=ReadStats())\nexcept ValueError as e:\n    print(e)\n")
-    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
-    assert "data.train_path: 'someone/sft-data' is neither a local file or directory nor a dataset" in out
+    requests = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            requests.append(self.path)
+            self.send_error(404)
+
+        do_HEAD = do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    rows = [{"prompt": "1+2", "answer": "3"}, {"prompt": "4+5", "answer": "9"}]
+    write_jsonl(tmp_path / "rows.jsonl", rows)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HF_ENDPOINT=f"http://127.0.0.1:{server.server_port}")
+    try:
+        run = subprocess.run([sys.executable, "-c", _READ_FROM_CACHE, str(tmp_path / "rows.jsonl")], env=env,
+                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    finally:
+        server.shutdown()
+    assert run.returncode == 0, run.stderr[-3000:]
+    cached, missing, not_cached = run.stdout.splitlines()
+    assert json.loads(cached) == rows
+    assert missing.startswith("data.train_path: my_sft_data does not exist (and is no dataset in the local `datasets` cache")
+    assert not_cached.startswith("data.train_path: someone/not-cached does not exist (and is no dataset in the local")
+    assert requests == []
+
+
+def test_json_rows_that_are_not_objects_are_bad_rows(tmp_path):
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps([{"prompt": "1+2", "answer": "3"}, 7, ["a"], {"prompt": "4+5", "answer": "9"}]))
+    stats = ReadStats()
+    assert read(path, stats=stats) == [{"prompt": "1+2", "answer": "3"}, {"prompt": "4+5", "answer": "9"}]
+    assert stats.bad_rows == 2 and "mixed.json: row 1: a row must be a JSON object, got int" in stats.examples[0]
+    with pytest.raises(ValueError, match=r"mixed.json: row 1: a row must be a JSON object.*on_bad_row"):
+        read(path, on_bad_row="fail")
+    (tmp_path / "ints.json").write_text("[1, 2, 3]")
+    with pytest.raises(ValueError, match=r"data.train_path: no usable samples in .*ints.json \(3 malformed rows"):
+        from moetune.recipe.config import DataConfig
+        from moetune.recipe.dataset import prepare_data
+
+        prepare_data(DataConfig(train_path=str(tmp_path / "ints.json"), test_path=""),
+                     AutoTokenizer.from_pretrained(DEFAULT_ASSETS / "tokenizer"), seed=0)
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("", "0 rows read, 0 malformed rows skipped"),
+    (json.dumps({"question": "1+2", "reply": "3"}) + "\n", "1 rows read, 1 malformed rows skipped; first problems: "
+     "data.test_path: row 0: row has neither a 'messages' column"),
+])
+def test_a_test_set_without_usable_rows_fails_before_training(tiny_job, tmp_path, monkeypatch, content, problem):
+    """Not "exact match 0.0% of 0" after the training: refused before the model is built."""
+    from moetune.recipe import train
+
+    test = tmp_path / "test_wrong.jsonl"
+    test.write_text(content)
+    monkeypatch.setattr(train, "build_model", lambda *a, **k: pytest.fail("the model was built"))
+    with pytest.raises(ValueError, match=rf"data.test_path: no usable rows in .*test_wrong.jsonl \({re.escape(problem)}"):
+        train.finetune(tiny_job(data__test_path=test))

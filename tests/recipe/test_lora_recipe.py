@@ -52,3 +52,21 @@ def test_lora_steps_change_adapter_parameters_only(tiny_job, tmp_path):
     assert any("experts.lora_" in k for k in adapters) and any("q_proj.lora_" in k for k in adapters)
     for name, tensor in base.items():
         torch.testing.assert_close(trained[name], tensor, rtol=0, atol=0, msg=name)  # frozen, even with decay
+
+
+def test_the_adapter_names_its_base_by_an_absolute_path(tiny_job, tmp_path, monkeypatch):
+    """A relative training.output_dir: the adapter still loads from another directory."""
+    import os
+
+    import peft
+
+    monkeypatch.chdir(tmp_path)
+    finetune(tiny_job("relative_out", training__steps=1, lora__enabled="true", lora__rank=2,
+                      checkpoint__export_final=True, lora__export_merged="false"))
+    config = json.loads((tmp_path / "relative_out/adapter/adapter_config.json").read_text())
+    assert os.path.isabs(config["base_model_name_or_path"])
+    assert config["base_model_name_or_path"] == str((tmp_path / "relative_out/base").resolve())
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    model = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "relative_out/adapter")  # reads the base path
+    assert any("lora_A" in name for name, _ in model.named_parameters())

@@ -151,3 +151,13 @@ def test_profile_settings_are_checked(tiny_job):
         tiny_job(metrics__profile_start=1, metrics__profile_steps=0)
     with pytest.raises(ValueError, match="metrics.profile_start"):
         tiny_job(metrics__profile_start=-1)
+
+
+def test_validation_runs_every_val_every_steps_whatever_log_every_is(tiny_job, tmp_path):
+    out = tmp_path / "val"
+    finetune(tiny_job(out, training__steps=9, training__val_every=3, metrics__log_every=2))
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "final" not in r]
+    assert [r["step"] for r in steps if "val_loss" in r] == [3, 6, 9]
+    assert [r["step"] for r in steps if "loss" in r] == [2, 4, 6, 8, 9]
+    assert all(r["val_loss"] > 0 for r in steps if "val_loss" in r)
