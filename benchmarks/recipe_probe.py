@@ -96,7 +96,9 @@ def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) 
         shutil.copytree(out / "profile", args.out / f"recipe_profile_{name}", dirs_exist_ok=True)
     if proc.returncode != 0:
         result["error_tail"] = output[-6000:]
-        return result
+        if not (out / "metrics.jsonl").is_file():
+            return result
+        # Stopped by the timeout (or failed) after logging some windows: what it logged still counts.
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     windows = [r for r in records if "tokens_per_s_per_gpu" in r and r["step"] > args.skip_steps]
     rates = [r["tokens_per_s_per_gpu"] for r in windows]

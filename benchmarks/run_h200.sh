@@ -184,11 +184,11 @@ fi
 
 if stage quackpad && has_quack; then
   echo "== the recipe on unpacked samples of varying length: grouped_mm, quack unpadded, quack padded to 512"
-  common=(--layers 8 --variants eager --steps 30 --skip-steps 10 --log-every 5 --override data.packing=false)
-  timeout 130 python benchmarks/recipe_probe.py "${common[@]}" --timeout 120 --out "$OUT/quackpad_grouped_mm" || status=1
-  timeout 200 python benchmarks/recipe_probe.py "${common[@]}" --timeout 190 --override model.experts_backend=quack \
-    --out "$OUT/quackpad_quack_unpadded" || status=1
+  common=(--layers 8 --variants eager --steps 24 --skip-steps 8 --log-every 4 --override data.packing=false)
+  timeout 110 python benchmarks/recipe_probe.py "${common[@]}" --timeout 100 --out "$OUT/quackpad_grouped_mm" || status=1
   timeout 170 python benchmarks/recipe_probe.py "${common[@]}" --timeout 160 --override model.experts_backend=quack \
+    --out "$OUT/quackpad_quack_unpadded" || status=1
+  timeout 150 python benchmarks/recipe_probe.py "${common[@]}" --timeout 140 --override model.experts_backend=quack \
     --override data.pad_to_multiple_of=512 --out "$OUT/quackpad_quack_pad512" || status=1
 fi
 
