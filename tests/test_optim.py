@@ -176,3 +176,54 @@ def test_one_parameter_steps_use_the_loaded_groups():
     param.grad = torch.ones(4)
     optimizer.step_parameter(param)
     assert torch.equal(param.detach(), before)
+
+
+def test_takes_torch_adamw_arguments_and_refuses_the_variants_it_does_not_implement():
+    """Code written for torch.optim.AdamW runs unchanged (foreach / fused only pick torch's kernels);
+    amsgrad / maximize / differentiable are refused wherever they come from (constructor, a group,
+    add_param_group, a torch state dict), never silently ignored."""
+    torch.manual_seed(0)
+    start, grads = torch.randn(16, 4), [torch.randn(16, 4) for _ in range(3)]
+    flags = dict(amsgrad=False, maximize=False, foreach=False, fused=None, differentiable=False)
+    ours, _ = _run(AdamW, start, grads, **flags)
+    ref, _ = _run(torch.optim.AdamW, start, grads, **flags)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    for kwargs in ({"amsgrad": True}, {"maximize": True}, {"differentiable": True}):
+        with pytest.raises(ValueError, match=f"does not implement {next(iter(kwargs))}=True"):
+            AdamW([param], **kwargs)
+    with pytest.raises(ValueError, match="amsgrad=True .a parameter group"):
+        AdamW([{"params": [param], "amsgrad": True}])
+    optimizer = AdamW([param])
+    with pytest.raises(ValueError, match="maximize=True"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "maximize": True})
+    torch_optimizer = torch.optim.AdamW([param], amsgrad=True)
+    param.grad = torch.ones(2)
+    torch_optimizer.step()
+    with pytest.raises(ValueError, match="amsgrad=True .load_state_dict"):
+        optimizer.load_state_dict(torch_optimizer.state_dict())
+    sparse = torch.nn.Embedding(4, 2, sparse=True)
+    sparse(torch.tensor([1])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        AdamW(sparse.parameters()).step()
+
+
+def test_state_dicts_move_between_torch_adamw_and_ours():
+    """A run continues exactly after its optimizer state moves torch -> moetune -> torch."""
+    torch.manual_seed(0)
+    start, grads = torch.randn(16, 4), [torch.randn(16, 4) for _ in range(6)]
+    ref, _ = _run(torch.optim.AdamW, start, grads)
+    param = torch.nn.Parameter(start.clone())
+    optimizer = None
+    for i, grad in enumerate(grads):
+        if i % 2 == 0:  # swap the optimizer class every two steps
+            cls = torch.optim.AdamW if i % 4 == 0 else AdamW
+            fresh = cls([param], lr=1.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+            if optimizer is not None:
+                fresh.load_state_dict(optimizer.state_dict())
+                assert fresh.param_groups[0]["lr"] == 1e-2
+            optimizer = fresh if optimizer is not None else cls([param], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        param.grad = grad.clone()
+        optimizer.step()
+    torch.testing.assert_close(param.detach(), ref, rtol=0, atol=0)

@@ -242,18 +242,63 @@ def load_checkpoint(model: nn.Module, items: list[LoadItem]) -> None:
                 {"plain": _copy_block, "fp8": _copy_block, "mxfp4": _copy_mxfp4}[item.kind](handle, item, local, local_offset)
 
 
-def _copy_block(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple[int, ...]) -> None:
-    region = item.region
+def _overlap(
+    region: Region, local: torch.Tensor, local_offset: tuple[int, ...], source_dims: int
+) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """(slices of ``local``, slices of the source tensor) where ``region`` meets the block this
+    process holds, or None if it holds none of it. The source may lack the region's leading
+    size-1 dims (a per-expert tensor has no expert dim): those slices are dropped."""
     dest_slices, src_slices = [], []
     for start, size, l_start, l_size in zip(region.offset, region.shape, local_offset, local.shape):
         lo, hi = max(start, l_start), min(start + size, l_start + l_size)
         if lo >= hi:
-            return  # this process holds none of the block
+            return None
         dest_slices.append(slice(lo - l_start, hi - l_start))
         src_slices.append(slice(lo - start, hi - start))
-    # Per-expert tensors lack the leading expert dim of their region: drop those (size-1) slices.
-    extra_dims = len(region.shape) - len(item.info.shape)
-    src = tuple(src_slices[extra_dims:])
+    return tuple(dest_slices), tuple(src_slices[len(region.shape) - source_dims :])
+
+
+@torch.no_grad()
+def load_per_expert_tensors(
+    model: nn.Module, state_dict: dict[str, torch.Tensor], layout: CheckpointLayout
+) -> tuple[dict[str, torch.Tensor], set[str]] | None:
+    """Copy the Hub per-expert tensors of an in-memory state dict (``experts.3.gate_proj.weight``,
+    what ``save_pretrained`` writes) into the blocks of their fused parameters (the block each
+    process holds, for DTensors). Returns the state dict without them and the fused parameters they
+    filled completely, or None when it holds no per-expert tensor. A partial set (one shard of a
+    sharded checkpoint) fills its blocks; the parameter is not in the set."""
+    if not layout.fused_experts:
+        return None
+    pattern = layout._per_expert_pattern()
+    if not any(pattern.match(layout.canonical(key)) for key in state_dict):
+        return None
+    shapes = model_tensor_shapes(model)
+    targets = dict(model.named_parameters())
+    rest: dict[str, torch.Tensor] = {}
+    blocks_seen: dict[str, set[tuple[int, ...]]] = defaultdict(set)
+    for key, tensor in state_dict.items():
+        region = layout.region(key, shapes) if pattern.match(layout.canonical(key)) else None
+        if region is None or region.param not in targets or tuple(tensor.shape) != region.shape[1:]:
+            rest[key] = tensor  # not a per-expert tensor this model takes: torch reports it
+            continue
+        local, local_offset = local_block(targets[region.param])
+        slices = _overlap(region, local, local_offset, tensor.dim())
+        if slices is not None:
+            local[slices[0]].copy_(tensor[slices[1]].reshape(local[slices[0]].shape))
+        blocks_seen[region.param].add(region.offset)
+    filled = set()
+    for fused in layout.fused_experts:
+        for param, offsets in blocks_seen.items():
+            if param.endswith(f".{fused.name}") and len(offsets) == shapes[param][0] * len(fused.parts):
+                filled.add(param)
+    return rest, filled
+
+
+def _copy_block(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple[int, ...]) -> None:
+    slices = _overlap(item.region, local, local_offset, len(item.info.shape))
+    if slices is None:
+        return  # this process holds none of the block
+    dest_slices, src = slices
     block = handle.get_slice(item.info.name)[src]
     if item.kind == "fp8":
         _, scales_info = item.scales
@@ -261,7 +306,7 @@ def _copy_block(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple
         with safe_open(str(scales_info.file), framework="pt") as scales_handle:
             scales = scales_handle.get_slice(scales_info.name)[scale_rows, scale_cols]
         block = fp8.dequantize(block, scales, *src, dtype=local.dtype)
-    local[tuple(dest_slices)].copy_(block.reshape(local[tuple(dest_slices)].shape))
+    local[dest_slices].copy_(block.reshape(local[dest_slices].shape))
 
 
 def _copy_mxfp4(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple[int, ...]) -> None:

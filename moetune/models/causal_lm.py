@@ -23,6 +23,7 @@ import torch
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 
 from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout, save_hf_checkpoint
+from moetune.checkpoint.loader import load_per_expert_tensors
 from moetune.layers import linear_cross_entropy, shift_labels_for_causal_lm
 from moetune.layers.document_attention import OFFSETS_KEY
 from moetune.moe import (
@@ -197,6 +198,22 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
         self.model = base_model_cls(config)
         self.vocab_size = config.vocab_size
         self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's ``load_state_dict``, also taking the experts in the Hub's per-expert layout, which
+        ``save_pretrained`` writes by default: Trainer's ``resume_from_checkpoint`` and
+        ``load_best_model_at_end`` read a checkpoint's safetensors back through this method, and
+        would otherwise leave every expert weight as it was (Transformers v5's own MoE models do,
+        with a missing-keys warning)."""
+        loaded = load_per_expert_tensors(self, state_dict, self.checkpoint_layout)
+        if loaded is None:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        rest, filled = loaded
+        parameters = dict(self.named_parameters())
+        # The filled parameters hold their new values already; loading them onto themselves keeps
+        # torch's own missing / unexpected accounting (and strict's error) for everything else.
+        rest.update({name: parameters[name] for name in filled})
+        return super().load_state_dict(rest, strict=strict, assign=assign)
 
     def save_pretrained(
         self,

@@ -66,7 +66,10 @@ if HAS_TRITON:
 
 class AdamW(torch.optim.Optimizer):
     """Drop-in ``torch.optim.AdamW`` (same arguments and state keys ``step``, ``exp_avg``,
-    ``exp_avg_sq``) whose CUDA step is one Triton launch per parameter tensor.
+    ``exp_avg_sq``; state dicts load in either class) whose CUDA step is one Triton launch per
+    parameter tensor. ``foreach`` / ``fused`` are accepted and ignored; ``amsgrad``, ``maximize``
+    and ``differentiable`` are not implemented and raise a ValueError when set (also in a parameter
+    group or a loaded state dict).
 
     Parameters that are not contiguous CUDA tensors, or any parameter when Triton is missing,
     take ``torch.optim.AdamW``'s functional step, so results agree everywhere.
@@ -86,20 +89,36 @@ class AdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: bool | None = None,
         capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
         if float(lr) < 0 or eps < 0 or weight_decay < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyper-parameters: lr={lr}, betas={betas}, eps={eps}, weight_decay={weight_decay}")
+        # torch.optim.AdamW's arguments, so code written for it runs unchanged: foreach / fused pick
+        # torch's kernels and are ignored (the CUDA step is this class's own fused kernel); the
+        # update variants this class does not implement are refused, never silently dropped.
+        _check_supported({"amsgrad": amsgrad, "maximize": maximize, "differentiable": differentiable}, "AdamW(...)")
+        del foreach, fused
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, capturable=capturable)
-        super().__init__(params, defaults)
         self._grad_scales: dict[torch.device, torch.Tensor] = {}  # set_gradient_scale's buffers
         self._grad_scale_on = False
-        if capturable:
-            for group in self.param_groups:
-                _require_capturable(group["params"])
-                device = group["params"][0].device
-                group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(device)
+        super().__init__(params, defaults)  # each group through add_param_group
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, refusing torch options this class does not implement (``amsgrad``, ``maximize``);
+        a capturable group's parameters are checked and its rate becomes a device tensor."""
+        _check_supported(param_group, "a parameter group")
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["capturable"] and group["params"]:
+            _require_capturable(group["params"])
+            device = group["params"][0].device
+            group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32).to(device)
 
     def set_gradient_scale(self, scale: torch.Tensor | float | None) -> None:
         """Every later ``step()`` / ``step_parameter()`` reads each gradient multiplied by ``scale``
@@ -133,7 +152,11 @@ class AdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's load, then each capturable group's rate back to a float32 tensor on its
-        parameters' device (a checkpoint may hold it as a number or a CPU tensor)."""
+        parameters' device (a checkpoint may hold it as a number or a CPU tensor). A state dict of
+        torch's AdamW loads too, unless its groups use an option this class does not implement
+        (``amsgrad``, ``maximize``; torch's Adam with L2 weight decay): refused, not ignored."""
+        for group in state_dict["param_groups"]:
+            _check_supported(group, "load_state_dict")
         super().load_state_dict(state_dict)
         self._groups_by_param = None  # torch replaced the group dicts
         for group in self.param_groups:
@@ -147,6 +170,8 @@ class AdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             params = [param for param in group["params"] if param.grad is not None]
             for param in params:
+                if param.grad.is_sparse:
+                    raise RuntimeError("AdamW does not support sparse gradients (torch.optim.SparseAdam does)")
                 self._init_state(param, group)
             if group["capturable"] and params:
                 torch._foreach_add_([self.state[param]["step"] for param in params], 1.0)
@@ -209,6 +234,19 @@ class AdamW(torch.optim.Optimizer):
                 amsgrad=False, beta1=beta1, beta2=beta2, lr=float(group["lr"]), weight_decay=group["weight_decay"],
                 eps=group["eps"], maximize=False,
             )  # fmt: skip
+
+
+# torch.optim.AdamW group options with no equivalent here, and the value this class implements.
+_IMPLEMENTED = {"amsgrad": False, "maximize": False, "differentiable": False, "decoupled_weight_decay": True}
+
+
+def _check_supported(options: dict, where: str) -> None:
+    for name, implemented in _IMPLEMENTED.items():
+        if name in options and bool(options[name]) != implemented:
+            raise ValueError(
+                f"moetune.optim.AdamW does not implement {name}={options[name]!r} ({where}); "
+                "use torch.optim.AdamW (or torch.optim.Adam) for it"
+            )
 
 
 def _require_capturable(params: list[torch.Tensor]) -> None:

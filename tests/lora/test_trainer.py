@@ -96,3 +96,42 @@ def test_moetune_trainer_is_transformers_trainer_for_unsharded_models(tmp_path):
         model = build_moetune_model(tiny_qwen3_moe_config()).train()
         losses[name] = _train(model, tmp_path / name, learning_rate=3e-3, trainer_cls=cls)
     assert losses["moetune"] == losses["transformers"]
+
+
+def test_trainer_resumes_a_full_finetune_exactly(tmp_path):
+    """``resume_from_checkpoint`` reads the checkpoint's model.safetensors (experts in the Hub's
+    per-expert layout, as ``save_pretrained`` writes them) through ``model.load_state_dict``: the
+    experts must come back, so a resumed run ends where an uninterrupted one does."""
+    final = {}
+    for name, resume in (("straight", None), ("resumed", "checkpoint-2")):
+        model = build_moetune_model(tiny_qwen3_moe_config()).train()
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=2, max_steps=4, learning_rate=3e-3,
+            lr_scheduler_type="linear", save_strategy="steps", save_steps=2, report_to=[], use_cpu=True, seed=0,
+            dataloader_num_workers=0, disable_tqdm=True,
+        )  # fmt: skip
+        if resume:  # a model with other experts resumes from the straight run's middle checkpoint
+            with torch.no_grad():
+                model.model.layers[0].mlp.experts.gate_up_proj.normal_()
+            resume = str(tmp_path / "straight" / resume)
+        transformers.Trainer(model=model, args=args, train_dataset=_dataset()).train(resume_from_checkpoint=resume)
+        final[name] = model.state_dict()
+    for key, value in final["straight"].items():
+        torch.testing.assert_close(final["resumed"][key], value, rtol=0, atol=0, msg=key)
+
+
+def test_load_state_dict_takes_the_per_expert_layout_save_pretrained_writes(tmp_path):
+    from safetensors.torch import load_file
+
+    source = build_moetune_model(tiny_qwen3_moe_config())
+    source.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in saved
+    torch.manual_seed(5)
+    target = build_moetune_model(tiny_qwen3_moe_config(initializer_range=0.5))
+    target.load_state_dict(saved)  # strict
+    for key, value in source.state_dict().items():
+        assert torch.equal(target.state_dict()[key], value), key
+    del saved["model.layers.0.mlp.experts.3.up_proj.weight"]
+    with pytest.raises(RuntimeError, match=r"Missing key.*experts\.gate_up_proj"):
+        target.load_state_dict(saved)
