@@ -3,7 +3,7 @@ modules so that every architecture gets the same rules:
 
     3 x [ sum of 2 x (weights a token passes through) + causal attention scores and values ]
 
-- every ``nn.Linear`` except routers: 2 x in x out (attention projections, dense and shared MLPs,
+- every ``nn.Linear`` (or Transformers' ``Conv1D``, GPT-2's) except routers: 2 x in x out (attention projections, dense and shared MLPs,
   latent projections, Mamba-2's in / out projections, the LM head);
 - stacked experts (a module holding 3-D weights [E, ...]): top-k x 2 x one expert's weights;
 - attention: QK^T and AV over the keys a causal query sees on average (S / 2, or about the window
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D  # GPT-2's linear layer, weight [in, out]
 
 _ROUTER_NAMES = ("gate", "router")
 
@@ -46,8 +47,12 @@ class FlopsCounter:
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in _ROUTER_NAMES:
                 self.weights_forward += 2 * module.in_features * module.out_features
+            elif isinstance(module, Conv1D):
+                self.weights_forward += 2 * module.nx * module.nf
+            # Convolutions' 3-D kernels (Mamba-2's conv1d) are not stacked experts: left out, as above.
+            is_conv = isinstance(module, nn.modules.conv._ConvNd)
             stacked = [p for n, p in module.named_parameters(recurse=False) if p.dim() == 3 and "lora" not in n]
-            if stacked:
+            if stacked and not is_conv:
                 self.weights_forward += top_k * 2 * sum(p[0].numel() for p in stacked)
             if _is_attention(module):
                 window, per_key = _attention_per_key(module, self.config)
@@ -87,14 +92,31 @@ def _is_ssm_mixer(module: nn.Module) -> bool:
 
 
 def _is_attention(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("Attention") and hasattr(module, "o_proj")
+    if not type(module).__name__.endswith("Attention"):
+        return False
+    # o_proj: Llama-style; c_proj / out_proj / dense: GPT-2, OPT, GPT-J, GPT-NeoX, Phi
+    return hasattr(module, "o_proj") or (
+        hasattr(module, "head_dim") and any(hasattr(module, n) for n in ("c_proj", "out_proj", "dense")))
 
 
 def _attention_per_key(module: nn.Module, config: Any) -> tuple[int | None, float]:
     """(sliding window or None, QK^T and AV FLOPs per key a query sees)."""
     qk_dim = getattr(module, "qk_head_dim", None) or module.head_dim  # MLA: nope + rope dims
     v_dim = getattr(module, "v_head_dim", None) or module.head_dim
-    return getattr(module, "sliding_window", None) or None, 2 * config.num_attention_heads * (qk_dim + v_dim)
+    return _sliding_window(module, config), 2 * config.num_attention_heads * (qk_dim + v_dim)
+
+
+def _sliding_window(module: nn.Module, config: Any) -> int | None:
+    """The layer's own window where its module holds one (GPT-OSS, Qwen3); else the config's per-layer
+    kinds; else the config's window for every layer (Mistral, Mixtral pass ``config.sliding_window``
+    to every layer's attention)."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window or None
+    layer_types = getattr(config, "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    if isinstance(layer_types, list) and layer_idx is not None and layer_idx < len(layer_types):
+        return (getattr(config, "sliding_window", None) or None) if layer_types[layer_idx] == "sliding_attention" else None
+    return getattr(config, "sliding_window", None) or None
 
 
 def _keys_seen(window: int | None, seq_len: int) -> float:

@@ -86,6 +86,15 @@ class MoetuneOptions:
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
             raise ValueError(f"ep_size must be a positive int (or None), got {self.ep_size!r}")
+        for name in ("balanced_gate", "reshard_after_forward"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_experts_backend_name(self.experts_backend)
+        check_lora_settings(self.lora)
+        for name in ("param_dtype", "reduce_dtype"):
+            check_float_dtype(getattr(self, name), name)
+        if self.ep_capacity_factor is not None and not is_positive_number(self.ep_capacity_factor):
+            raise ValueError(f"ep_capacity_factor must be a positive number or None, got {self.ep_capacity_factor!r}")
         check_ep_overlap_chunks(self.ep_overlap_chunks, capacity_factor=self.ep_capacity_factor)
         check_ep_dispatch(
             self.ep_dispatch, capacity_factor=self.ep_capacity_factor, overlap_chunks=self.ep_overlap_chunks
@@ -116,6 +125,41 @@ REPLICATE_TRANSPORTS = ("nccl", "copy_engine")
 
 def is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def is_positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def check_experts_backend_name(name: Any) -> None:
+    """One of ``EXPERTS_BACKENDS``, checked where the option is given, whatever the model (whether the
+    model takes it and the backend's package imports are checked when the model is built)."""
+    from moetune.moe.experts import EXPERTS_BACKENDS
+
+    if name not in EXPERTS_BACKENDS:
+        raise ValueError(f"experts_backend must be one of {EXPERTS_BACKENDS}, got {name!r}")
+
+
+def check_lora_settings(value: Any) -> None:
+    """``lora``: None or a ``moetune.lora.LoraSettings``."""
+    if value is None:
+        return
+    from moetune.lora import LoraSettings
+
+    if not isinstance(value, LoraSettings):
+        raise TypeError(
+            f"lora must be a moetune.lora.LoraSettings (e.g. LoraSettings(rank=16)) or None, got {type(value).__name__}"
+        )
+
+
+def check_float_dtype(value: Any, name: str) -> None:
+    """``param_dtype`` / ``reduce_dtype``: None, a floating torch dtype or its name ("bfloat16"), as FSDP2's
+    mixed-precision policy takes it (``moetune.distributed`` resolves the name)."""
+    import torch
+
+    resolved = getattr(torch, value, None) if isinstance(value, str) else value
+    if value is not None and not (isinstance(resolved, torch.dtype) and resolved.is_floating_point):
+        raise ValueError(f"{name} must be a floating torch dtype (or its name, e.g. 'bfloat16') or None, got {value!r}")
 
 
 def check_ep_overlap_chunks(num_chunks: Any, *, capacity_factor: float | None) -> None:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 import moetune
 from moetune import auto
-from tests.conftest import save_per_expert_checkpoint
+from tests.conftest import save_per_expert_checkpoint, tiny_qwen3_moe_config
 
 
 @pytest.fixture
@@ -105,3 +105,25 @@ def test_bad_dtype_and_device_map(checkpoint):
 def test_bad_experts_backend(checkpoint):
     with pytest.raises(ValueError, match="experts_backend"):
         moetune.AutoModelForCausalLM.from_pretrained(checkpoint, experts_backend="magic")
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("balanced_gate", "yes", "balanced_gate must be True or False"),
+        ("reshard_after_forward", "no", "reshard_after_forward must be True or False"),
+        ("experts_backend", None, "experts_backend must be one of"),
+        ("param_dtype", "bf16", "param_dtype must be a floating torch dtype"),
+        ("reduce_dtype", torch.int32, "reduce_dtype must be a floating torch dtype"),
+        ("ep_capacity_factor", -1.0, "ep_capacity_factor must be a positive number"),
+        ("lora", {"rank": 8}, "lora must be a moetune.lora.LoraSettings"),
+    ],
+)
+def test_bad_moetune_options_name_the_option(option, value, message):
+    """Checked where they are given, on one process too (not only once expert parallelism reads them)."""
+    config = tiny_qwen3_moe_config(num_hidden_layers=1)
+    with pytest.raises((ValueError, TypeError), match=message):
+        moetune.AutoModelForCausalLM.from_config(config, **{option: value})
+    from moetune.options import MoetuneOptions
+
+    MoetuneOptions(param_dtype="bfloat16", reduce_dtype=torch.float32, ep_capacity_factor=2)  # the valid forms

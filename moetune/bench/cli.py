@@ -132,10 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.summarize:
+        missing = [path for path in args.summarize if not os.path.isfile(path)]
+        if missing:
+            parser.error(f"--summarize: no such result file: {', '.join(missing)}")
         print(summarize(args.summarize))
         return 0
+    _check_args(parser, args)
     sides = [s.strip() for s in args.sides.split(",") if s.strip()]
     if not sides or any(s not in SIDES for s in sides):
         raise SystemExit(f"--sides must be a comma-separated subset of {','.join(SIDES)}, got {args.sides!r}")
@@ -147,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("--lora-rank times training steps: drop --probe-max-seq")
     if args.probe_max_seq:
         return _probe(args, sides)
-    env = setup(args.device)
+    try:
+        env = setup(args.device)
+    except ValueError as error:
+        parser.error(str(error))
     if args.moetune_cuda_graph and env.device.type != "cuda":
         teardown(env)
         raise SystemExit("--moetune-cuda-graph needs CUDA GPUs")
@@ -168,6 +176,26 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args, env, sides)
     finally:
         teardown(env)
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A user's mistake in the numbers or the config ends here, with the flag named, before any model is
+    built (not as a traceback, nor as a failed row after both sides were built)."""
+    minimums = {
+        "--steps": (args.steps, 1), "--warmup": (args.warmup, 0), "--seq-len": (args.seq_len, 2),
+        "--micro-batch": (min(args.micro_batch), 1), "--layers": (args.layers, 1),
+        "--parity-layers": (args.parity_layers, 1), "--parity-seq-len": (args.parity_seq_len, 2),
+        "--probe-start": (args.probe_start, 1), "--probe-step": (args.probe_step, 1), "--probe-max": (args.probe_max, 1),
+    }  # fmt: skip
+    for flag, (value, minimum) in minimums.items():
+        if value is not None and value < minimum:
+            parser.error(f"{flag} must be >= {minimum}, got {value}")
+    if args.probe_timeout <= 0:
+        parser.error(f"--probe-timeout must be > 0, got {args.probe_timeout}")
+    try:
+        load_config(args.config)
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def _graph_capturable_ep(options: dict[str, Any]) -> bool:

@@ -205,3 +205,28 @@ def test_the_commit_named_by_the_caller_wins_over_git(monkeypatch):
     assert commit() == {"commit": "abc1234", "dirty": None, "source": "MOETUNE_COMMIT"}
     monkeypatch.delenv("MOETUNE_COMMIT")
     assert commit()["source"] in ("git", None)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--steps", "0"], "--steps must be >= 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--micro-batch", "1", "0"], "--micro-batch must be >= 1"),
+        (["--seq-len", "1"], "--seq-len must be >= 2"),
+        (["--layers", "0"], "--layers must be >= 1"),
+        (["--probe-max-seq", "--probe-step", "0"], "--probe-step must be >= 1"),
+        (["--config", "no_such_model"], "neither a shipped config"),
+        (["--device", "gpu0"], "--device must be auto, cpu, cuda or cuda:N"),
+        (["--summarize", "no_such_result.json"], "no such result file"),
+    ],
+)
+def test_bad_flags_stop_with_a_usage_error_before_building(tmp_path, capsys, monkeypatch, flags, message):
+    """Not a traceback, nor rows that fail after both sides were built (exit status 0 or 1)."""
+    from moetune.bench import cli
+
+    monkeypatch.setattr(cli, "build_side", lambda *args, **kwargs: pytest.fail("built a side"))
+    with pytest.raises(SystemExit) as exited:
+        main(["--config", "tiny", "--device", "cpu", "--out", str(tmp_path), *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

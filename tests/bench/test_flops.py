@@ -91,3 +91,48 @@ def test_mamba2_mixers_count_the_ssm_scan_as_nemotron_does(monkeypatch):
     without = moetune.flops.FlopsCounter(config).per_token(16)
     d_inner, state = 4 * 8, 8  # mamba_num_heads x mamba_head_dim, ssm_state_size
     assert with_scan - without == pytest.approx(2 * 7 * d_inner * state)
+
+
+def test_mamba2_convolutions_are_not_counted_as_experts(monkeypatch):
+    """Mamba-2's conv1d weight is 3-D [C, 1, K] like stacked experts' weights; convolutions are left
+    out (not counted top-k times as one expert)."""
+    import moetune.flops
+    from tests.test_nemotron_h_parity import tiny_nemotron_h_config
+
+    config = tiny_nemotron_h_config(hybrid_override_pattern="M*")  # one Mamba-2 layer, one attention layer
+    monkeypatch.setattr(moetune.flops, "_is_ssm_mixer", lambda module: False)
+    h, q, kv, d_inner, groups, state, heads = 32, 32, 16, 32, 2, 8, 4
+    mamba = 2 * h * (2 * d_inner + 2 * groups * state + heads) + 2 * d_inner * h  # in_proj, out_proj
+    attention = 2 * h * (q + 2 * kv + q) + 2 * 16 * q
+    assert moetune.flops.FlopsCounter(config).per_token(16) == 3 * (mamba + attention + 2 * h * 96)
+
+
+def test_a_window_the_config_gives_every_layer_is_counted():
+    """Mistral / Mixtral pass ``config.sliding_window`` to every layer's attention (no per-layer
+    attribute); Qwen2-MoE windows only the layers its ``layer_types`` marks."""
+    import transformers
+
+    from moetune.flops import FlopsCounter
+
+    shapes = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)  # fmt: skip
+    mixtral = FlopsCounter(transformers.MixtralConfig(**shapes, num_local_experts=4, sliding_window=16))
+    assert dict(mixtral.attention_per_key) == {16: 2 * 2 * 4 * (8 + 8)}
+    assert FlopsCounter(transformers.MixtralConfig(**shapes, sliding_window=None)).attention_per_key.keys() == {None}
+    qwen2_moe = transformers.Qwen2MoeConfig(**shapes, use_sliding_window=True, sliding_window=16, max_window_layers=2)
+    windows = [kind == "sliding_attention" for kind in qwen2_moe.layer_types]
+    assert sorted(FlopsCounter(qwen2_moe).attention_per_key, key=str) == sorted(
+        {16 if w else None for w in windows}, key=str)
+
+
+def test_gpt2_style_models_count_their_conv1d_weights_and_attention():
+    """Transformers' ``Conv1D`` (GPT-2's linear layer) counts as a linear; its attention (``c_proj``, no
+    ``o_proj``) counts its scores and values."""
+    import transformers
+
+    from moetune.flops import training_flops_per_token
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=64)
+    h, s = 32, 16
+    layer = 2 * h * (3 * h) + 2 * h * h + 2 * 2 * h * (4 * h) + 2 * s * h  # c_attn, c_proj, MLP, scores
+    assert training_flops_per_token(config, seq_len=s) == 3 * (2 * layer + 2 * h * 64)
