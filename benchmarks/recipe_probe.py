@@ -83,13 +83,18 @@ def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) 
     # Its own session, so that a timeout stops torchrun's workers too.
     proc = subprocess.Popen(command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    # A SIGTERM to this probe (an outer `timeout`) must stop the run too: it sits in a session of its
+    # own and would otherwise keep the GPU's memory through the next variant (an OOM there).
+    previous = signal.signal(signal.SIGTERM, _raise_timeout)
     try:
         output, _ = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        # torchrun starts its workers in sessions of their own: find them by their output directory.
-        subprocess.run(["pkill", "-9", "-f", str(out)], check=False)
+        _stop(proc, out)
         output, _ = proc.communicate()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            _stop(proc, out)
     result = {"variant": name, "source": str(root), "returncode": proc.returncode, "wall_s": round(time.time() - start, 1)}
     (args.out / f"recipe_probe_{name}.log").write_text(output)
     if (out / "profile").is_dir():  # metrics.profile_start given through --override
@@ -110,6 +115,20 @@ def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) 
         "sharding": next((r["sharding"] for r in records if "sharding" in r), None),
     })
     return result
+
+
+def _raise_timeout(signum, frame) -> None:
+    raise subprocess.TimeoutExpired("recipe_probe", 0)
+
+
+def _stop(proc: subprocess.Popen, out: Path) -> None:
+    """Kill the run's session and, since torchrun starts its workers in sessions of their own, every
+    process naming the run's output directory."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    subprocess.run(["pkill", "-9", "-f", str(out)], check=False)
 
 
 def main() -> None:
