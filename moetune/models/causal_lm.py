@@ -113,15 +113,21 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
         self.rotary_emb = rotary_cls(config=config)
         self.gradient_checkpointing = False
 
-    def forward(self, *args, output_router_logits: bool | None = None, **kwargs):
+    def forward(self, *args, output_router_logits: bool | None = None, return_dict: bool | None = None, **kwargs):
         if output_router_logits is None:
             output_router_logits = bool(getattr(self.config, "output_router_logits", False))
+        if return_dict is None:  # Transformers' can_return_tuple: the config's return_dict by default
+            return_dict = getattr(self.config, "return_dict", True)
+        # The backbone returns a ModelOutput (so the router logits can be added), made a tuple here.
+        kwargs["return_dict"] = True
         if not output_router_logits:
-            return self._backbone_forward(*args, **kwargs)
-        with capture_router_logits(self, ROUTERS) as router_logits:
             outputs = self._backbone_forward(*args, **kwargs)
-        outputs.router_logits = tuple(router_logits)
-        return outputs
+        else:
+            with capture_router_logits(self, ROUTERS) as router_logits:
+                outputs = self._backbone_forward(*args, **kwargs)
+            # By key: a field that was None is missing from the output's keys, which to_tuple reads.
+            outputs["router_logits"] = tuple(router_logits)
+        return outputs if return_dict else outputs.to_tuple()
 
     def _backbone_forward(self, *args, **kwargs):
         if args or not self._is_plain_causal(kwargs):
@@ -287,9 +293,17 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
 
     def forward(
         self,
+        # Transformers' parameters in Transformers' order (its 4th, the KV cache, was `past_key_values`
+        # before 5.24, which still arrives by keyword): `model(ids, mask, position_ids)` must not
+        # take the positions for labels, and Trainer keeps only the dataset columns named here
+        # (a `position_ids` column of packed rows would be dropped).
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
         output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         return_logits: bool | None = None,
@@ -298,18 +312,27 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
     ):
         if output_router_logits is None:
             output_router_logits = bool(getattr(self.config, "output_router_logits", False))
+        if return_dict is None:  # Transformers' can_return_tuple: the config's return_dict by default
+            return_dict = getattr(self.config, "return_dict", True)
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
         if return_logits is None:
-            return_logits = labels is None or not self.training or self.return_logits_in_training
-        if self.training and kwargs.get("use_cache") is None:
+            no_targets = labels is None and shift_labels is None
+            return_logits = no_targets or not self.training or self.return_logits_in_training
+        if self.training and use_cache is None:
             # No KV cache in training: Transformers only turns packed sequences' position_ids into
             # per-document masks without one, and a cache is dead weight in a training step.
-            kwargs["use_cache"] = False
+            use_cache = False
+        # Only what was given: the backbone reads an absent use_cache as the config's, a None one as off
+        # (which would send an evaluation forward down the cache-free plain causal path).
+        given = {"position_ids": position_ids, _CACHE_FIELD: cache, "inputs_embeds": inputs_embeds, "use_cache": use_cache}
+        kwargs.update({name: value for name, value in given.items() if value is not None})
 
+        # return_dict=True: the backbone would follow a config's return_dict=False and return a tuple.
         outputs = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, output_router_logits=output_router_logits, **kwargs
-        )
+            input_ids=input_ids, attention_mask=attention_mask, output_router_logits=output_router_logits,
+            return_dict=True, **kwargs,
+        )  # fmt: skip
         router_logits = outputs.router_logits if output_router_logits else None
         hidden_BSH = outputs.last_hidden_state
 
@@ -356,7 +379,7 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
             router_logits=router_logits,
             **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD, None)},
         )
-        return output if return_dict is not False else output.to_tuple()
+        return output if return_dict else output.to_tuple()
 
 
 def _is_main_rank(model: torch.nn.Module) -> bool:
