@@ -92,7 +92,7 @@ class MoetuneOptions:
         check_experts_backend_name(self.experts_backend)
         check_lora_settings(self.lora)
         for name in ("param_dtype", "reduce_dtype"):
-            check_float_dtype(getattr(self, name), name)
+            resolve_float_dtype(getattr(self, name), name)
         if self.ep_capacity_factor is not None and not is_positive_number(self.ep_capacity_factor):
             raise ValueError(f"ep_capacity_factor must be a positive number or None, got {self.ep_capacity_factor!r}")
         check_ep_overlap_chunks(self.ep_overlap_chunks, capacity_factor=self.ep_capacity_factor)
@@ -152,14 +152,15 @@ def check_lora_settings(value: Any) -> None:
         )
 
 
-def check_float_dtype(value: Any, name: str) -> None:
-    """``param_dtype`` / ``reduce_dtype``: None, a floating torch dtype or its name ("bfloat16"), as FSDP2's
-    mixed-precision policy takes it (``moetune.distributed`` resolves the name)."""
+def resolve_float_dtype(value: Any, name: str):
+    """``param_dtype`` / ``reduce_dtype`` as FSDP2's mixed-precision policy takes them: None, a floating
+    torch dtype or its name ("bfloat16"), resolved to the dtype; anything else is a ValueError naming the field."""
     import torch
 
     resolved = getattr(torch, value, None) if isinstance(value, str) else value
     if value is not None and not (isinstance(resolved, torch.dtype) and resolved.is_floating_point):
         raise ValueError(f"{name} must be a floating torch dtype (or its name, e.g. 'bfloat16') or None, got {value!r}")
+    return resolved
 
 
 def check_ep_overlap_chunks(num_chunks: Any, *, capacity_factor: float | None) -> None:

@@ -47,7 +47,13 @@ from moetune.distributed.replicate import (
     no_gradient_sync,
 )
 from moetune.moe import GroupedExperts, MoEBlock, TokenDispatcher
-from moetune.options import DENSE_PARALLEL, check_ep_dispatch, check_ep_overlap_chunks, check_vocab_parallel_option
+from moetune.options import (
+    DENSE_PARALLEL,
+    check_ep_dispatch,
+    check_ep_overlap_chunks,
+    check_vocab_parallel_option,
+    resolve_float_dtype,
+)
 
 
 @dataclass
@@ -379,8 +385,8 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         raise ValueError("parallelize_for_options expects a model built on the meta device")
     config = ParallelConfig(
         reshard_after_forward=options.reshard_after_forward,
-        param_dtype=_dtype(getattr(options, "param_dtype", None), "param_dtype"),
-        reduce_dtype=_dtype(getattr(options, "reduce_dtype", torch.float32), "reduce_dtype"),
+        param_dtype=resolve_float_dtype(getattr(options, "param_dtype", None), "param_dtype"),
+        reduce_dtype=resolve_float_dtype(getattr(options, "reduce_dtype", torch.float32), "reduce_dtype"),
         activation_checkpointing=bool(getattr(options, "activation_checkpointing", False)),
         ep_capacity_factor=_capacity_factor(getattr(options, "ep_capacity_factor", None)),
         ep_overlap_chunks=getattr(options, "ep_overlap_chunks", 1),
@@ -435,15 +441,6 @@ def _capacity_factor(value) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(f"ep_capacity_factor must be a positive number or None, got {value!r}")
     return float(value)
-
-
-def _dtype(value, name: str) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    resolved = getattr(torch, value, None) if isinstance(value, str) else None
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"{name} must be a floating torch dtype (or its name) or None, got {value!r}")
-    return resolved
 
 
 def allocate(model: nn.Module, device: torch.device, *, init_weights: bool) -> None:

@@ -14,6 +14,8 @@ anywhere when the caller passes ``experts_backend`` (which it then runs: e.g. ``
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,24 +43,24 @@ def _has_moetune_layout(experts: nn.Module) -> bool:
     )
 
 
-def _own_gate(experts: nn.Module):
+@functools.cache
+def _own_gate(experts_class: type):
     """The experts class's ``_apply_gate`` when it overrides Transformers' default ``act(gate) * up``
-    (clamps, soft caps, an activation taking gate and up), else None."""
+    (clamps, soft caps, an activation taking gate and up), else None. Per class, once: the
+    experts forward runs every layer of every step."""
     import transformers.integrations.moe as hf_moe
 
-    apply_gate = getattr(type(experts), "_apply_gate", None)
+    apply_gate = getattr(experts_class, "_apply_gate", None)
     default = getattr(hf_moe, "_default_apply_gate", None)
-    if apply_gate is None or apply_gate is default:
-        return None
-    return apply_gate.__get__(experts)
+    return None if apply_gate is None or apply_gate is default else apply_gate
 
 
 def _gate_activation(experts: nn.Module):
     """``activate(h_NX, num_valid=None)`` for ``run_experts``: the class's own gating, else
     act(gate) * up (SiLU through the fused SwiGLU kernel)."""
-    own_gate = _own_gate(experts)
+    own_gate = _own_gate(type(experts))
     if own_gate is not None:
-        return lambda h, num_valid=None: own_gate(h)
+        return lambda h, num_valid=None: own_gate(experts, h)
     act = experts.act_fn
     is_silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is F.silu
     return lambda h, num_valid=None: gated_activation(h, act, swiglu_kernel=is_silu, num_valid=num_valid)

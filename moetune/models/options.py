@@ -7,13 +7,12 @@ from torch import nn
 
 from moetune.kernels import quack_grouped_gemm
 from moetune.moe import ROUTERS, GroupedExperts
-from moetune.moe.experts import EXPERTS_BACKENDS
+from moetune.options import check_experts_backend_name
 
 
 def check_experts_backend(experts_backend: str) -> None:
     """A known backend whose kernels import here (quack is an optional package)."""
-    if experts_backend not in EXPERTS_BACKENDS:
-        raise ValueError(f"experts_backend must be one of {EXPERTS_BACKENDS}, got {experts_backend!r}")
+    check_experts_backend_name(experts_backend)
     if experts_backend == "quack":
         quack_grouped_gemm.require()
 
