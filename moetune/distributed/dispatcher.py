@@ -28,8 +28,7 @@ import torch.distributed as dist
 
 from moetune.distributed.token_counts import LargestTokenCount
 from moetune.kernels import moe_permute
-from moetune.moe.dispatch import Experts, PermutationState, TokenDispatcher, apply_experts, permute, sort_ids, unpermute
-from moetune.moe.experts import GroupedExperts
+from moetune.moe.dispatch import PermutationState, TokenDispatcher, permute, sort_ids, unpermute
 from moetune.moe.routing import Routing
 
 
@@ -103,19 +102,11 @@ ROW_BUCKETS_PER_DOUBLING = 8
 def bucketed_row_count(rows: int) -> int:
     """``rows`` rounded up to the next of ``ROW_BUCKETS_PER_DOUBLING`` evenly spaced sizes per power of two
     (e.g. 32768, 36864, 40960, ...): the received row counts an expert-parallel step gives its experts
-    then take a few values, not a new one every step, for experts backends that tune per shape (quack:
-    seconds per new shape). The padding rows are zeros past every expert's rows, which the grouped
-    GEMMs skip."""
+    then take a few values, not a new one every step, for experts that compile or tune per exact shape
+    (a user's own kernels; moetune's quack path buckets its tuning itself). The padding rows are zeros
+    past every expert's rows, which the grouped GEMMs skip."""
     step = 1 << max(rows.bit_length() - ROW_BUCKETS_PER_DOUBLING.bit_length(), 0)
     return -(-rows // step) * step
-
-
-def wants_bucketed_rows(experts: Experts, bucket_rows: bool | None) -> bool:
-    """A dispatcher's ``bucket_rows`` choice: True / False as given; None (the default) buckets for
-    experts whose kernels tune per exact shape (``GroupedExperts.tunes_per_shape``)."""
-    if bucket_rows is not None:
-        return bucket_rows
-    return isinstance(experts, GroupedExperts) and experts.tunes_per_shape
 
 
 def exchange_counts(
@@ -198,30 +189,22 @@ class ExpertParallelState:
 class ExpertParallelDispatcher(TokenDispatcher):
     """Tokens go to the rank holding their expert (rank r holds experts [r*L, (r+1)*L)).
 
-    ``bucket_rows``: pad the rows the experts receive to ``bucketed_row_count`` (None: where the experts
-    tune per shape, see ``wants_bucketed_rows``); results are the same either way.
+    ``bucket_rows``: pad the rows the experts receive to ``bucketed_row_count`` (off by default: for
+    experts that compile or tune per exact row count); results are the same either way.
     """
 
-    def __init__(self, *, group: dist.ProcessGroup, ep_size: int, bucket_rows: bool | None = None) -> None:
+    def __init__(self, *, group: dist.ProcessGroup, ep_size: int, bucket_rows: bool = False) -> None:
         self.group = group
         self.ep_size = ep_size
         self.bucket_rows = bucket_rows
 
-    def run(self, x_TH: torch.Tensor, routing: Routing, experts: Experts, *, num_experts: int) -> torch.Tensor:
-        bucket_rows = wants_bucketed_rows(experts, self.bucket_rows)
-        x_MH, counts, state = self.dispatch(x_TH, routing, num_experts=num_experts, bucket_rows=bucket_rows)
-        return self.combine(apply_experts(experts, x_MH, counts), state)
-
-    def dispatch(self, x_TH: torch.Tensor, routing: Routing, *, num_experts: int, bucket_rows: bool | None = None):
-        """``bucket_rows`` None: this dispatcher's own choice (False where it leaves it to the experts,
-        which ``run`` asks)."""
-        bucket_rows = bool(self.bucket_rows) if bucket_rows is None else bucket_rows
+    def dispatch(self, x_TH: torch.Tensor, routing: Routing, *, num_experts: int):
         x_NH, counts_E, local = permute(x_TH, routing, num_experts=num_experts)
         recv_counts_CRL, send_splits, recv_splits = exchange_counts(
             counts_E[None], ep_size=self.ep_size, group=self.group
         )
         num_rows = sum(recv_splits[0])
-        padded_rows = bucketed_row_count(num_rows) if bucket_rows else num_rows
+        padded_rows = bucketed_row_count(num_rows) if self.bucket_rows else num_rows
         x_MH = all_to_all(
             x_NH, output_splits=recv_splits[0], input_splits=send_splits[0], group=self.group, output_rows=padded_rows
         )

@@ -64,7 +64,6 @@ from moetune.distributed.dispatcher import (
     received_expert_order,
     rows_by_expert,
     rows_by_source,
-    wants_bucketed_rows,
 )
 from moetune.moe.dispatch import Experts, apply_experts, permute, unpermute
 from moetune.moe.routing import Routing
@@ -84,7 +83,7 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
     ``dispatch`` / ``combine`` are the unchunked ones."""
 
     def __init__(
-        self, *, group: dist.ProcessGroup, ep_size: int, num_chunks: int, bucket_rows: bool | None = None
+        self, *, group: dist.ProcessGroup, ep_size: int, num_chunks: int, bucket_rows: bool = False
     ) -> None:
         check_ep_overlap_chunks(num_chunks, capacity_factor=None)
         super().__init__(group=group, ep_size=ep_size, bucket_rows=bucket_rows)
@@ -103,7 +102,7 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         )
         num_rows_C = [sum(r) for r in recv_splits]
         padded_rows_C = num_rows_C
-        if wants_bucketed_rows(experts, self.bucket_rows):
+        if self.bucket_rows:
             padded_rows_C = [bucketed_row_count(rows) for rows in num_rows_C]
         sort_C, counts_CL = received_expert_order(recv_counts_CRL, num_rows_C=num_rows_C, padded_rows_C=padded_rows_C)
 

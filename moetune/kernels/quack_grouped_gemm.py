@@ -16,41 +16,35 @@ the weight gradients (``benchmarks/kernel_library_probe.py``, results in
 ``benchmarks/results/session20/``). quack tunes each shape on its first call (eager warm-up steps
 do that before a CUDA graph is captured).
 
-Shapes: quack's autotuner keys on every operand's exact shape, so each new number of routed rows
-is a new tuning sweep (6-11 s per GEMM on an H100 at the shapes above, against ~0.5 ms a
-tuned call: ``benchmarks/quack_tune_probe.py``). Steps of one fixed shape (packed
-rows on one GPU; ``ep_dispatch="allgather"`` or an ``ep_capacity_factor`` under expert parallelism)
-tune once. The all-to-all dispatchers' received row counts change every step: for these experts they
-pad them to a few bucket sizes (``moetune.distributed.dispatcher.bucketed_row_count``, at most 1/8
-padding rows, which the GEMMs skip), so each bucket tunes once. Unpacked batches of varying length
-re-tune for every length (the recipe's ``data.pad_to_multiple_of`` bounds them): ``watch_row_counts``
-warns once when a GEMM has seen many.
+Shapes: quack's own autotuner keys on every operand's exact shape, so each new number of routed rows
+would be a new tuning sweep (6-11 s per GEMM on an H100 at the shapes above, against ~0.5 ms a
+tuned call: ``benchmarks/quack_tune_probe.py``), and unpacked batches or the all-to-all dispatchers'
+received rows bring a new count nearly every step. So moetune tunes once per GEMM shape and
+power-of-two bucket of the row count (``TunedConfigs``) and runs every other count of that bucket
+with the winning config: a tile configuration's merit depends on N, K and the rough rows per
+expert, not on the exact count. Packed rows tune once, as before; a recipe on unpacked samples
+tunes a handful of times.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import torch.nn.functional as F
 
-RETUNE_WARNING_AFTER = 16
-"""Distinct row counts one GEMM shape may see before the warning (each was a tuning sweep): two
-doublings of the expert-parallel dispatchers' bucketed counts (8 sizes per doubling)."""
-
 
 @functools.cache
 def require():
-    """quack's ``gemm``; raises a RuntimeError naming the package where it does not import."""
+    """quack's ``gemm_interface`` module; raises a RuntimeError naming the package where it does not import."""
     try:
-        from quack.gemm_interface import gemm
+        from quack import gemm_interface
     except Exception as err:  # ImportError, or cutlass-dsl failing to find its CUDA toolkit flavour
         raise RuntimeError(
             "experts_backend='quack' needs the quack-kernels package (pip install quack-kernels, which "
             f"brings nvidia-cutlass-dsl); importing it failed: {err}"
         ) from err
-    return gemm
+    return gemm_interface
 
 
 def available() -> bool:
@@ -75,32 +69,46 @@ def _group_starts(offsets_E: torch.Tensor) -> torch.Tensor:
     return F.pad(offsets_E.to(torch.int32), (1, 0))
 
 
-class RowCountWatch:
-    """Counts the distinct row counts each GEMM shape is called with; warns once past ``limit``."""
-
-    def __init__(self, limit: int = RETUNE_WARNING_AFTER) -> None:
-        self.limit = limit
-        self.rows_seen: dict[tuple, set[tuple[int, ...]]] = {}
-        self.warned = False
-
-    def __call__(self, gemm: str, weight_shape: tuple[int, ...], rows: tuple[int, ...]) -> None:
-        if self.warned:
-            return
-        seen = self.rows_seen.setdefault((gemm, weight_shape), set())
-        seen.add(rows)
-        if len(seen) > self.limit:
-            self.warned = True
-            warnings.warn(
-                f"experts_backend='quack': the {gemm} GEMM with weights {list(weight_shape)} has run {len(seen)} "
-                "different row counts, and quack tunes every new one (seconds each). Give the experts steps "
-                "of few shapes (batches packed to one length, or padded to a multiple: the recipe's "
-                "data.pad_to_multiple_of; under expert parallelism with very uneven routing, "
-                "ep_dispatch='allgather') or use experts_backend='grouped_mm'",
-                stacklevel=3,
-            )
+def row_bucket(rows: int) -> int:
+    """The power of two at or above ``rows``: the row counts that share one tuned config."""
+    return 1 << max(rows - 1, 0).bit_length()
 
 
-watch_row_counts = RowCountWatch()
+def _layout(t: torch.Tensor) -> tuple:
+    """What of a tensor's strides a kernel config depends on (quack's autotune key: 0, 1 or more)."""
+    return tuple(min(s, 2) for s in t.stride())
+
+
+class TunedConfigs:
+    """quack's tuned ``GemmConfig`` per GEMM shape and row bucket.
+
+    The first call of a bucket runs quack's autotuner (``gemm_tuned``), which benchmarks its
+    candidate configs and returns the winner; later calls of the bucket, whatever their exact row
+    count, launch that config directly (``gemm_tuned.fn(..., config=)``, the tuner's own launch),
+    skipping the sweep quack's shape-exact key would start again."""
+
+    def __init__(self) -> None:
+        self.configs: dict[tuple, object] = {}
+        self.tunings = 0
+
+    def run(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *, shape: tuple, rows: int, **varlen) -> torch.Tensor:
+        """``out = a @ b`` as quack's ``gemm(a, b, out=out, **varlen)``. ``shape`` names the GEMM
+        without its varying extent, ``rows``."""
+        iface = require()
+        varlen = {name: value for name, value in varlen.items() if value is not None}
+        if torch.compiler.is_compiling():  # quack's custom op, which torch.compile traces through
+            return iface.gemm(a, b, out=out, **varlen)
+        key = (shape, _layout(a), _layout(b), a.dtype, out.dtype, tuple(sorted(varlen)), row_bucket(rows))
+        config = self.configs.get(key)
+        if config is None:
+            self.configs[key] = iface.gemm_tuned(a, b, out, **varlen)[0]
+            self.tunings += 1
+        else:
+            iface.gemm_tuned.fn(a, b, out, config=config, **varlen)
+        return out
+
+
+tuned_configs = TunedConfigs()
 
 
 def rows_mm(
@@ -108,16 +116,18 @@ def rows_mm(
     gather_order: torch.Tensor | None = None, top_k: int = 1,
 ) -> torch.Tensor:  # fmt: skip
     check_supported(a)
-    rows = (a.shape[0],) if gather_order is None else (a.shape[0], gather_order.numel())
-    watch_row_counts("row", tuple(b_EKC.shape), rows)
-    gemm, cu = require(), _group_starts(offsets_E)
-    if gather_order is None:
-        return gemm(a, b_EKC, cu_seqlens_m=cu)
-    return gemm(a, b_EKC, cu_seqlens_m=cu, A_idx=(gather_order // top_k).to(torch.int32))
+    rows = a.shape[0] if gather_order is None else gather_order.numel()
+    out = torch.empty(rows, b_EKC.shape[-1], dtype=a.dtype, device=a.device)
+    if rows == 0:
+        return out
+    a_idx = None if gather_order is None else (gather_order // top_k).to(torch.int32)
+    return tuned_configs.run(a, b_EKC, out, shape=("rows", *b_EKC.shape), rows=rows, cu_seqlens_m=_group_starts(offsets_E), A_idx=a_idx)
 
 
 def weight_grad(p: torch.Tensor, q: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """[E, P, Q]: each group's ``p_rows^T @ q_rows``; an expert with no rows gets zeros."""
     check_supported(p)
-    watch_row_counts("weight-gradient", (offsets_E.numel(), p.shape[1], q.shape[1]), (p.shape[0],))
-    return require()(p.t(), q, cu_seqlens_k=_group_starts(offsets_E))
+    out = torch.empty(offsets_E.numel(), p.shape[1], q.shape[1], dtype=p.dtype, device=p.device)
+    if p.shape[0] == 0:
+        return out.zero_()
+    return tuned_configs.run(p.t(), q, out, shape=("weight", *out.shape), rows=p.shape[0], cu_seqlens_k=_group_starts(offsets_E))

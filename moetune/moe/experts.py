@@ -118,12 +118,6 @@ class GroupedExperts(nn.Module):
         return getattr(self, self._in_name)
 
     @property
-    def tunes_per_shape(self) -> bool:
-        """Whether the backend's kernels tune for each exact row count (quack's autotuner keys on
-        operand shapes): the expert-parallel dispatchers then bucket the rows they hand over."""
-        return self.backend == "quack"
-
-    @property
     def weight_names(self) -> tuple[str, str]:
         """The first and the second projection's parameter names."""
         return self._in_name, "down_proj"

@@ -181,16 +181,14 @@ def test_bucketed_row_counts():
     assert len({bucketed_row_count(rows) for rows in range(24576, 40961)}) == 7
 
 
-def test_bucketing_follows_the_experts_backend():
-    """By default the all-to-all dispatchers bucket only for experts that tune per shape (quack's);
-    ``bucket_rows`` True / False overrides."""
-    from moetune.distributed.dispatcher import wants_bucketed_rows
-    from moetune.moe.experts import GroupedExperts
+def test_bucketing_is_an_explicit_choice():
+    """The all-to-all dispatchers hand their experts the exact received rows unless asked to bucket
+    them (quack's experts bucket their own tuning, ``quack_grouped_gemm.TunedConfigs``)."""
+    from moetune.distributed import ExpertParallelDispatcher, PipelinedExpertParallelDispatcher
 
-    def experts(backend: str) -> GroupedExperts:
-        return GroupedExperts(num_experts=2, hidden_size=4, intermediate_size=2, backend=backend)
+    group = object()  # not used before a step
+    assert not ExpertParallelDispatcher(group=group, ep_size=2).bucket_rows
+    assert not PipelinedExpertParallelDispatcher(group=group, ep_size=2, num_chunks=2).bucket_rows
+    assert ExpertParallelDispatcher(group=group, ep_size=2, bucket_rows=True).bucket_rows
 
-    assert wants_bucketed_rows(experts("quack"), None)
-    assert not any(wants_bucketed_rows(experts(b), None) for b in ("auto", "grouped_mm", "triton", "loop"))
-    assert not wants_bucketed_rows(lambda x, counts: x, None)  # any other experts callable
-    assert wants_bucketed_rows(experts("loop"), True) and not wants_bucketed_rows(experts("quack"), False)
+

@@ -39,30 +39,69 @@ def test_cpu_tensors_are_refused_before_any_kernel():
         GatheredGroupedMM.apply(x, torch.ones(2, 8, 8), None, torch.tensor([1, 4], dtype=torch.int32), 1, "auto", "quack")
 
 
-def test_many_row_counts_warn_once_that_quack_retunes_each(monkeypatch):
-    """quack tunes every new operand shape: a GEMM that keeps seeing new row counts (unpacked batches)
-    gets one warning with the way out; repeated shapes never warn. (The
-    kernels themselves are replaced: this checks moetune's bookkeeping, on CPU.)"""
-    import warnings
+class _RecordingQuack:
+    """Stands in for quack's gemm_interface on CPU: records which calls tuned and which reused a
+    config, and computes the GEMMs with torch so the results can be checked."""
 
-    calls = []
-    monkeypatch.setattr(quack_grouped_gemm, "require", lambda: lambda *args, **kwargs: calls.append(args[0].shape))
+    def __init__(self):
+        self.calls = []
+        outer = self
+
+        class Tuner:
+            def __call__(self, a, b, out, **varlen):
+                outer.calls.append(("tune", out.shape))
+                outer.compute(a, b, out, **varlen)
+                return f"config{len(outer.calls)}", 1, False, None
+
+            def fn(self, a, b, out, *, config, **varlen):
+                outer.calls.append((config, out.shape))
+                outer.compute(a, b, out, **varlen)
+
+        self.gemm_tuned = Tuner()
+
+    @staticmethod
+    def compute(a, b, out, cu_seqlens_m=None, cu_seqlens_k=None, A_idx=None):
+        ends = (cu_seqlens_m if cu_seqlens_m is not None else cu_seqlens_k).tolist()
+        for e, (start, end) in enumerate(zip(ends[:-1], ends[1:])):
+            if cu_seqlens_m is not None:
+                rows = a[A_idx[start:end]] if A_idx is not None else a[start:end]
+                out[start:end] = rows @ b[e]
+            else:
+                out[e] = a[:, start:end] @ b[start:end]
+
+
+def test_one_tuning_per_gemm_shape_and_power_of_two_row_bucket(monkeypatch):
+    """quack's autotuner keys on exact shapes; moetune tunes once per GEMM shape and row bucket and
+    launches the winning config for every other count of the bucket (a new row count every step
+    from unpacked batches or the all-to-all dispatchers costs no sweep). The kernels are replaced by
+    torch here: this checks moetune's bookkeeping and operands on CPU; the GPU test below runs quack."""
+    fake = _RecordingQuack()
+    monkeypatch.setattr(quack_grouped_gemm, "require", lambda: fake)
     monkeypatch.setattr(quack_grouped_gemm, "check_supported", lambda x: None)
-    monkeypatch.setattr(quack_grouped_gemm, "watch_row_counts", quack_grouped_gemm.RowCountWatch(limit=4))
-    w_EKC, offsets = torch.ones(2, 8, 16), torch.tensor([3, 5], dtype=torch.int32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no warning while the counts repeat or stay within the limit
-        for rows in (5, 6, 7, 5, 6, 7, 8):
-            quack_grouped_gemm.rows_mm(torch.ones(rows, 8), w_EKC, offsets)
-            quack_grouped_gemm.weight_grad(torch.ones(rows, 8), torch.ones(rows, 16), offsets)
-    with pytest.warns(UserWarning, match="row GEMM with weights \\[2, 8, 16\\] has run 5 different row counts") as seen:
-        quack_grouped_gemm.rows_mm(torch.ones(9, 8), w_EKC, offsets)
-    assert len(seen) == 1 and "batches packed to one length" in str(seen[0].message)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once only
-        for rows in (10, 11, 12):
-            quack_grouped_gemm.rows_mm(torch.ones(rows, 8), w_EKC, offsets, gather_order=torch.arange(rows), top_k=1)
-    assert len(calls) == 7 * 2 + 1 + 3
+    monkeypatch.setattr(quack_grouped_gemm, "tuned_configs", quack_grouped_gemm.TunedConfigs())
+    torch.manual_seed(0)
+    w_EKC, offsets = torch.randn(2, 8, 16), torch.tensor([3, 5], dtype=torch.int32)
+    for rows in (5, 6, 7, 8, 5):  # bucket 8: one tuning, the rest reuse its config
+        a = torch.randn(rows, 8)
+        got = quack_grouped_gemm.rows_mm(a, w_EKC, offsets)
+        torch.testing.assert_close(got[:5], torch.cat([a[:3] @ w_EKC[0], a[3:5] @ w_EKC[1]]))
+        q = torch.randn(rows, 16)
+        got_w = quack_grouped_gemm.weight_grad(a, q, offsets)
+        torch.testing.assert_close(got_w, torch.stack([a[:3].t() @ q[:3], a[3:5].t() @ q[3:5]]))
+    assert [c[0] for c in fake.calls[:4]] == ["tune", "tune", "config1", "config2"]
+    assert sum(c[0] == "tune" for c in fake.calls) == 2 and len(fake.calls) == 10
+    quack_grouped_gemm.rows_mm(torch.randn(9, 8), w_EKC, offsets)  # bucket 16: tunes
+    quack_grouped_gemm.rows_mm(torch.randn(16, 8), w_EKC, offsets)  # reuses
+    assert [c[0] for c in fake.calls[10:]] == ["tune", "config11"]
+    x, order = torch.randn(4, 8), torch.tensor([5, 0, 2, 7, 1, 3])  # gathered rows: a GEMM of its own
+    got = quack_grouped_gemm.rows_mm(x, w_EKC, offsets, gather_order=order, top_k=2)
+    rows = x[order // 2]
+    torch.testing.assert_close(got[:5], torch.cat([rows[:3] @ w_EKC[0], rows[3:5] @ w_EKC[1]]))
+    assert fake.calls[-1][0] == "tune" and quack_grouped_gemm.tuned_configs.tunings == 4
+    assert quack_grouped_gemm.rows_mm(torch.randn(0, 8), w_EKC, offsets).shape == (0, 16)  # no kernel
+    assert torch.equal(quack_grouped_gemm.weight_grad(torch.randn(0, 8), torch.randn(0, 16), offsets), torch.zeros(2, 8, 16))
+    assert len(fake.calls) == 13
+    assert [quack_grouped_gemm.row_bucket(n) for n in (0, 1, 2, 3, 4096, 4097, 8192)] == [1, 1, 2, 4, 4096, 8192, 8192]
 
 
 def _case():
@@ -116,3 +155,25 @@ def test_gathered_experts_backward_equals_grouped_mm_bf16_cuda():
     for got, expected in zip(results["quack"], results["grouped_mm"]):
         assert torch.isfinite(got).all()
         _close(got, expected)
+
+
+@pytest.mark.gpu
+@gpu
+def test_row_counts_of_one_bucket_reuse_the_tuned_config_and_stay_exact_bf16_cuda(monkeypatch):
+    """A GEMM tuned at one row count runs other counts of its power-of-two bucket with that config:
+    no new tuning, results equal to torch's grouped GEMM."""
+    pytest.importorskip("quack.gemm_interface", reason="quack-kernels is not installed")
+    monkeypatch.setattr(quack_grouped_gemm, "tuned_configs", quack_grouped_gemm.TunedConfigs())
+    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+    torch.manual_seed(0)
+    w = torch.randn(4, 256, 384, device="cuda", dtype=torch.bfloat16) * 256**-0.5  # [E, K, N]
+    for rows in (1000, 777, 1024, 513):  # bucket 1024
+        counts = torch.tensor([rows // 4, 0, rows // 2, rows - rows // 4 - rows // 2], device="cuda")
+        offsets = counts.cumsum(0).to(torch.int32)
+        a = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
+        _close(quack_grouped_gemm.rows_mm(a, w, offsets), grouped_mm(a, w, offs=offsets))
+        dh = torch.randn(rows, 384, device="cuda", dtype=torch.bfloat16)
+        got_w = quack_grouped_gemm.weight_grad(a, dh, offsets)
+        _close(got_w, grouped_mm(a.t(), dh, offs=offsets))
+        assert torch.equal(got_w[1], torch.zeros_like(got_w[1]))
+    assert quack_grouped_gemm.tuned_configs.tunings == 2
