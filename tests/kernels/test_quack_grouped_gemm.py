@@ -79,6 +79,7 @@ def test_one_tuning_per_gemm_shape_and_power_of_two_row_bucket(monkeypatch):
     monkeypatch.setattr(quack_grouped_gemm, "require", lambda: fake)
     monkeypatch.setattr(quack_grouped_gemm, "check_supported", lambda x: None)
     monkeypatch.setattr(quack_grouped_gemm, "tuned_configs", quack_grouped_gemm.TunedConfigs())
+    monkeypatch.setattr(quack_grouped_gemm, "SMALLEST_ROW_BUCKET", 4)
     torch.manual_seed(0)
     w_EKC, offsets = torch.randn(2, 8, 16), torch.tensor([3, 5], dtype=torch.int32)
     for rows in (5, 6, 7, 8, 5):  # bucket 8: one tuning, the rest reuse its config
@@ -101,7 +102,9 @@ def test_one_tuning_per_gemm_shape_and_power_of_two_row_bucket(monkeypatch):
     assert quack_grouped_gemm.rows_mm(torch.randn(0, 8), w_EKC, offsets).shape == (0, 16)  # no kernel
     assert torch.equal(quack_grouped_gemm.weight_grad(torch.randn(0, 8), torch.randn(0, 16), offsets), torch.zeros(2, 8, 16))
     assert len(fake.calls) == 13
-    assert [quack_grouped_gemm.row_bucket(n) for n in (0, 1, 2, 3, 4096, 4097, 8192)] == [1, 1, 2, 4, 4096, 8192, 8192]
+    assert [quack_grouped_gemm.row_bucket(n) for n in (0, 3, 4, 5, 4096, 4097, 8192)] == [4, 4, 4, 8, 4096, 8192, 8192]
+    monkeypatch.undo()
+    assert [quack_grouped_gemm.row_bucket(n) for n in (1, 8192, 8193, 24000, 32768)] == [8192, 8192, 16384, 32768, 32768]
 
 
 def _case():
@@ -167,7 +170,7 @@ def test_row_counts_of_one_bucket_reuse_the_tuned_config_and_stay_exact_bf16_cud
     grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
     torch.manual_seed(0)
     w = torch.randn(4, 256, 384, device="cuda", dtype=torch.bfloat16) * 256**-0.5  # [E, K, N]
-    for rows in (1000, 777, 1024, 513):  # bucket 1024
+    for rows in (10000, 9001, 16384, 12345):  # one bucket
         counts = torch.tensor([rows // 4, 0, rows // 2, rows - rows // 4 - rows // 2], device="cuda")
         offsets = counts.cumsum(0).to(torch.int32)
         a = torch.randn(rows, 256, device="cuda", dtype=torch.bfloat16)
