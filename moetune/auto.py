@@ -26,15 +26,14 @@ from moetune.checkpoint import (
     rename_checkpoint_tensors,
     unused_parameter_names,
 )
+from moetune.checkpoint.files import state_dict_tensors
+from moetune.checkpoint.loader import TensorReader, initialize_afresh
 from moetune.integrations import IMPLEMENTATION_NAME, register_moetune_experts
 from moetune.integrations.transformers_experts import set_fallback_experts_backend
+from moetune.loading_kwargs import experts_backend_for, pop_loading_arguments
 from moetune.models import ModelFamily, family_for, set_moe_options
 from moetune.models.options import check_experts_backend
 from moetune.options import MoetuneOptions
-
-HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "force_download", "subfolder", "proxies")
-# Transformers' loading arguments that moetune accepts and ignores (their effect is built in).
-IGNORED_LOADING_KWARGS = ("low_cpu_mem_usage", "use_safetensors", "weights_only", "_from_auto")
 
 
 class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
@@ -64,26 +63,22 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         return _with_lora(model, options)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args: Any, **kwargs: Any):
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike | None, *model_args: Any, **kwargs: Any):
+        """Transformers v5's arguments (``moetune/loading_kwargs.py`` says what each does here) plus
+        ``MoetuneOptions``; ``pretrained_model_name_or_path=None`` with ``config`` and ``state_dict``
+        loads tensors given in memory."""
         options = MoetuneOptions.pop_from(kwargs)
         fallback_kwargs = dict(kwargs)
-        hub = {k: kwargs.pop(k) for k in HUB_KWARGS if k in kwargs}
-        trust_remote_code = kwargs.pop("trust_remote_code", None)
-        config = kwargs.pop("config", None)
-        dtype = kwargs.pop("dtype", None)
-        torch_dtype = kwargs.pop("torch_dtype", None)
-        dtype = dtype if dtype is not None else torch_dtype
-        attn_implementation = kwargs.pop("attn_implementation", None)
-        device_map = kwargs.pop("device_map", None)
-        generation_config = kwargs.pop("generation_config", None)
-        output_loading_info = kwargs.pop("output_loading_info", False)
-        variant = kwargs.pop("variant", None)
-        key_mapping = kwargs.pop("key_mapping", None)
-        for name in IGNORED_LOADING_KWARGS:
-            kwargs.pop(name, None)
-
-        folder = resolve_checkpoint_folder(pretrained_model_name_or_path, **hub)
-        config_overrides = set(kwargs)  # what is left are config fields (checked by _load_config)
+        loading = pop_loading_arguments(kwargs)  # what is left are config fields (checked by _load_config)
+        path, hub, state_dict = pretrained_model_name_or_path, loading.hub, loading["state_dict"]
+        _check_weights_source(path, state_dict, loading["config"])
+        if loading["gguf_file"] is not None:
+            return _load_gguf_with_transformers(path, model_args, fallback_kwargs, options)
+        # The config first (of a Hub repo, only its JSON files): whether moetune implements the
+        # architecture, and so what the arguments mean, is known before any weight is fetched or read.
+        folder = None if path is None else resolve_checkpoint_folder(path, patterns=("*.json",), **hub)
+        trust_remote_code, config = loading["trust_remote_code"], loading["config"]
+        config_overrides = set(kwargs)
         config_given = config is not None
         if config is None:
             config = _load_config(folder, trust_remote_code=trust_remote_code, overrides=kwargs)
@@ -99,77 +94,166 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             # Loading sets dtype, _name_or_path and may drop quantization_config: do that to a copy,
             # as Transformers does, so the caller's config is unchanged and no two models share one.
             config = copy.deepcopy(config)
-        family = family_for(config)
-        method = _quantization_field(config, "quant_method")
-        if family is not None and method is not None:
-            if _dequantized_while_loading(config, method, family.causal_lm.checkpoint_layout):
-                del config.quantization_config  # the model (and what it saves) holds plain weights
-            else:
-                warnings.warn(
-                    f"checkpoint {str(folder)!r} is quantized (quant_method={method!r}): moetune's "
-                    f"{config.model_type} implementation trains bf16 / fp32 weights, so it loads through Transformers' "
-                    "class (which dequantizes or keeps the quantized weights as it always does). Dequantize it to bf16 "
-                    "(e.g. Transformers' from_pretrained + save_pretrained) for moetune's kernels and expert parallelism.",
-                    stacklevel=2,
-                )
-                family = None
+        family = _family_for_quantization(config, family_for(config), loading["quantization_config"], path)
         if family is None:
-            _check_fallback_options(config, options)
-            _prefer_moetune_experts(config, fallback_kwargs, options.experts_backend)
-            for key in config_overrides:
-                fallback_kwargs.pop(key)  # already applied to the config
-            fallback_kwargs["config"] = config
-            loaded = transformers.AutoModelForCausalLM.from_pretrained(
-                pretrained_model_name_or_path, *model_args, **fallback_kwargs
-            )
-            _with_fallback_experts_backend(loaded[0] if isinstance(loaded, tuple) else loaded, options.experts_backend)
-            return loaded
+            return _load_with_transformers(path, model_args, fallback_kwargs, config, config_overrides, options)
         if model_args:
             raise TypeError(f"{family.causal_lm.__name__} takes no positional model arguments, got {model_args!r}")
-        attn_implementation = attn_implementation or _attention_for(config, family)
+        loading.check_for_moetune(config.model_type)  # refuses what moetune cannot honour, before any weight is read
+        experts_backend = experts_backend_for(loading["experts_implementation"], options.experts_backend, config.model_type)
+        attn_implementation = loading["attn_implementation"] or _attention_for(config, family)
+        if loading["fusion_config"] is not None:
+            config.fusion_config = copy.deepcopy(loading["fusion_config"])  # as Transformers records it
 
-        tensors = list_checkpoint_tensors(folder, variant=variant)
-        if key_mapping is not None:
-            tensors = rename_checkpoint_tensors(tensors, key_mapping)
+        if state_dict is not None:
+            tensors = state_dict_tensors(state_dict)
+        else:
+            folder = resolve_checkpoint_folder(path, **hub)  # a Hub repo's weights are downloaded now
+            tensors = list_checkpoint_tensors(folder, variant=loading["variant"])
+        if loading["key_mapping"] is not None:
+            tensors = rename_checkpoint_tensors(tensors, loading["key_mapping"])
+        dtype = loading["dtype"] if loading["dtype"] is not None else loading["torch_dtype"]
         dtype = resolve_dtype(dtype, config, tensors)
-        device = resolve_device(device_map, distributed=options.distributed)
+        device = resolve_device(loading["device_map"], distributed=options.distributed)
         config.dtype = dtype
-        config._name_or_path = str(pretrained_model_name_or_path)
+        config._name_or_path = "" if path is None else str(path)
         with torch.device("meta"):
             model = family.causal_lm._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
         # A caller who made the model shallower than the checkpoint (num_hidden_layers=N, a shorter
         # layer pattern, or a config of its own) gets the first layers; the tensors of the others are
         # left unread, as Transformers leaves them. Otherwise every tensor must have a place, except
         # the multi-token-prediction layers DeepSeek-V3's files store after the checkpoint's last layer.
+        # A state dict comes with the caller's config: layers beyond it are left unread and reported.
         callers_config = config_given or bool(config_overrides)
-        num_checkpoint_layers = config.num_hidden_layers
-        if callers_config:
-            num_checkpoint_layers = _load_config(folder, trust_remote_code=trust_remote_code, overrides={}).num_hidden_layers
-        unused: list[str] | None = [] if callers_config and config.num_hidden_layers < num_checkpoint_layers else None
+        if state_dict is not None:
+            unused, num_checkpoint_layers = [], None
+        else:
+            num_checkpoint_layers = config.num_hidden_layers
+            if callers_config:
+                num_checkpoint_layers = _load_config(folder, trust_remote_code=trust_remote_code, overrides={}).num_hidden_layers
+            unused = [] if callers_config and config.num_hidden_layers < num_checkpoint_layers else None
+        mismatched: list | None = [] if loading["ignore_mismatched_sizes"] else None
         plan = plan_checkpoint_load(  # raises before allocation
-            model, tensors, model.checkpoint_layout, unused=unused, num_checkpoint_layers=num_checkpoint_layers
-        )
+            model, tensors, model.checkpoint_layout, unused=unused, num_checkpoint_layers=num_checkpoint_layers,
+            mismatched=mismatched,
+        )  # fmt: skip
+        source = "the state_dict" if folder is None else repr(str(folder))
         unexpected = unused_parameter_names(unused, model, model.checkpoint_layout) if unused else set()
         if unexpected:
             warnings.warn(
-                f"{len(unexpected)} parameters in {str(folder)!r} belong to decoder layers beyond the model's "
+                f"{len(unexpected)} parameters in {source} belong to decoder layers beyond the model's "
                 f"{config.num_hidden_layers} (num_hidden_layers) and were not loaded: {', '.join(sorted(unexpected)[:4])}, ...",
                 stacklevel=2,
             )
-        set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=options.experts_backend)
+        set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
         if options.distributed:
             from moetune.distributed import parallelize_for_options
 
             model = parallelize_for_options(model, options, init_weights=False)
         else:
             materialize(model, device)
-        load_checkpoint(model, plan)
-        model.generation_config = _generation_config(folder, model, generation_config)
+        load_checkpoint(model, plan, TensorReader(state_dict, mmap=not loading["disable_mmap"]))
+        if mismatched:  # ignore_mismatched_sizes=True: as Transformers, the model's init and a report
+            initialize_afresh(model, {name for name, _, _ in mismatched})
+            listing = ", ".join(f"{name}: {list(theirs)} in the checkpoint, {list(ours)} here" for name, theirs, ours in mismatched)
+            warnings.warn(
+                f"{len(mismatched)} parameters of {type(model).__name__} have other shapes in {source} and were "
+                f"initialised afresh (ignore_mismatched_sizes=True): {listing}",
+                stacklevel=2,
+            )
+        model.generation_config = _generation_config(folder, model, loading["generation_config"])
         model.eval()
         model = model if options.distributed else _with_lora(model, options)
-        if output_loading_info:  # Transformers' report; anything else missing or unexpected raised above
-            return model, {"missing_keys": set(), "unexpected_keys": unexpected, "mismatched_keys": set(), "error_msgs": []}
+        if loading["output_loading_info"]:  # Transformers' report; anything else missing or unexpected raised above
+            info = {"missing_keys": set(), "unexpected_keys": unexpected, "mismatched_keys": set(mismatched or ()), "error_msgs": []}
+            return model, info
         return model
+
+
+def _check_weights_source(path: str | os.PathLike | None, state_dict: Any, config: Any) -> None:
+    """Transformers' rule: weights come from a checkpoint path or, with ``path=None``, from ``state_dict``
+    (and then ``config`` says what to build)."""
+    if state_dict is not None and path is not None:
+        raise ValueError(
+            "state_dict cannot be passed together with a checkpoint name or path (as in Transformers): "
+            "from_pretrained(None, config=config, state_dict=state_dict)"
+        )
+    if path is None and state_dict is None:
+        raise ValueError("pretrained_model_name_or_path is None: pass a checkpoint, or config=... and state_dict=...")
+    if path is None and config is None:
+        raise ValueError("from_pretrained(None, state_dict=...) needs config=... (a PretrainedConfig or a path to one)")
+
+
+def _family_for_quantization(config: PretrainedConfig, family: ModelFamily | None, requested: Any, path) -> ModelFamily | None:
+    """``family``, or None where Transformers' class must load the checkpoint: a quantized checkpoint
+    moetune does not dequantize, or a ``quantization_config`` argument other than asking for plain
+    weights (``dequantize=True``: ``Mxfp4Config`` on MXFP4 experts, ``FineGrainedFP8Config`` on
+    block-scaled FP8, which moetune dequantizes anyway, or either on an unquantized checkpoint):
+    quantizing while loading (bitsandbytes, torchao, ...) or keeping the checkpoint's quantization
+    are Transformers' (with a warning)."""
+    method = _quantization_field(config, "quant_method")
+    if family is None or (method is None and requested is None):
+        return family
+    layout = family.causal_lm.checkpoint_layout
+    dequantizable = method is not None and _dequantized_while_loading(config, method, layout)
+    if requested is None and dequantizable:
+        del config.quantization_config  # the model (and what it saves) holds plain weights
+        return family
+    if requested is not None:
+        asked = _quantization_value(requested, "quant_method")
+        if _quantization_value(requested, "dequantize") and (method is None or (dequantizable and asked == method)):
+            if method is not None:
+                del config.quantization_config
+            return family  # plain weights, as Transformers' dequantize=True gives
+        if method is None:
+            what = f"quantization_config (quant_method={asked!r}) asks to quantize the weights while loading"
+        else:
+            what = f"quantization_config (quant_method={asked!r}) for a checkpoint quantized with {method!r} " + (
+                "keeps it quantized (dequantize=True gives plain weights)" if asked == method else "(Transformers' class decides)"
+            )
+    else:
+        what = f"checkpoint {'the state_dict' if path is None else repr(str(path))} is quantized (quant_method={method!r})"
+    warnings.warn(
+        f"{what}: moetune's {config.model_type} implementation trains bf16 / fp32 weights, so it loads through "
+        "Transformers' class (which quantizes, dequantizes or keeps the quantized weights as it always does). Load a "
+        "bf16 checkpoint (dequantize one with Transformers' from_pretrained + save_pretrained) for moetune's kernels "
+        "and expert parallelism.",
+        stacklevel=3,
+    )
+    return None
+
+
+def _load_with_transformers(path, model_args, kwargs: dict[str, Any], config: PretrainedConfig, config_overrides: set[str],
+                            options: MoetuneOptions):  # fmt: skip
+    """An architecture moetune does not implement (or a checkpoint Transformers' class must load):
+    Transformers' auto class with every argument as given, and the config already loaded."""
+    _check_fallback_options(config, options)
+    _prefer_moetune_experts(config, kwargs, options.experts_backend)
+    for key in config_overrides:
+        kwargs.pop(key)  # already applied to the config
+    kwargs["config"] = config
+    if path is None:  # Transformers' auto class needs a name; its model classes take None with a state_dict
+        loaded = transformers.AutoModelForCausalLM._model_mapping[type(config)].from_pretrained(None, *model_args, **kwargs)
+    else:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(path, *model_args, **kwargs)
+    _with_fallback_experts_backend(loaded[0] if isinstance(loaded, tuple) else loaded, options.experts_backend)
+    return loaded
+
+
+def _load_gguf_with_transformers(path, model_args, kwargs: dict[str, Any], options: MoetuneOptions):
+    """A GGUF file holds its own config and quantized weights: Transformers' class reads and
+    dequantizes it, as for the other quantizations moetune does not dequantize."""
+    if options != MoetuneOptions():
+        raise ValueError(
+            "gguf_file loads through Transformers' class, which takes none of moetune's options (ep_size, device_mesh, "
+            "experts_backend, lora, ...): load it with Transformers, save_pretrained, and load that folder with moetune"
+        )
+    warnings.warn(
+        "gguf_file: moetune reads safetensors checkpoints, so the GGUF file loads through Transformers' class (which "
+        "dequantizes it). For moetune's implementation of an MoE architecture, save_pretrained the model and load that folder.",
+        stacklevel=3,
+    )
+    return transformers.AutoModelForCausalLM.from_pretrained(path, *model_args, **kwargs)
 
 
 def _attention_for(config: PretrainedConfig, family: ModelFamily) -> str:
@@ -205,10 +289,16 @@ def _quantization_field(config: PretrainedConfig, name: str) -> Any:
     """A field of the checkpoint's ``quantization_config`` (a dict or an object), None without one;
     ``quant_method`` is "unknown" when a quantization_config does not name it."""
     quantization = getattr(config, "quantization_config", None)
-    if not quantization:
-        return None
+    return _quantization_value(quantization, name) if quantization else None
+
+
+def _quantization_value(quantization: Any, name: str) -> Any:
+    """A field of a quantization config, a dict or a Transformers ``QuantizationConfigMixin``
+    (whose ``quant_method`` is an enum: its value, "mxfp4")."""
     value = quantization.get(name) if isinstance(quantization, dict) else getattr(quantization, name, None)
-    return str(value or "unknown") if name == "quant_method" else value
+    if name == "quant_method":
+        return str(getattr(value, "value", value) or "unknown")
+    return value
 
 
 def _with_lora(model, options: MoetuneOptions):
@@ -272,6 +362,11 @@ MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 def _load_config(folder: Path, *, trust_remote_code: bool | None, overrides: dict[str, Any]) -> PretrainedConfig:
     """The config in ``folder``'s config.json (or in ``folder`` itself, a config file)."""
     path = folder if folder.is_file() else folder / "config.json"
+    if not path.is_file() and (folder / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"{str(folder)!r} holds a PEFT adapter, not a model: load its base model (adapter_config.json's "
+            "base_model_name_or_path), then moetune.lora.load_peft_adapter(model, adapter_dir)"
+        )
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {str(folder)!r}")
     data = json.loads(path.read_text())
@@ -331,15 +426,20 @@ def resolve_device(device_map: Any, *, distributed: bool) -> torch.device:
                 "and shards over several with ep_size / device_mesh"
             )
         device_map = devices.pop()
+    if device_map in ("balanced", "balanced_low_0", "sequential", "disk"):
+        raise ValueError(
+            f"device_map={device_map!r} is Accelerate's placement over several devices (or offload to disk); moetune "
+            "places the model on one device ('auto', 'cuda:0', 'cpu') and shards over several with ep_size / device_mesh"
+        )
     if isinstance(device_map, int):
         return torch.device("cuda", device_map)
     return torch.device(device_map)
 
 
-def _generation_config(folder: Path, model, explicit: GenerationConfig | None) -> GenerationConfig:
+def _generation_config(folder: Path | None, model, explicit: GenerationConfig | None) -> GenerationConfig:
     if explicit is not None:
         return explicit
-    if (folder / "generation_config.json").is_file():
+    if folder is not None and (folder / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(folder)
     return GenerationConfig.from_model_config(model.config)
 

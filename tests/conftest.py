@@ -38,6 +38,15 @@ def tiny_qwen3_moe_config(**overrides) -> transformers.Qwen3MoeConfig:
     return transformers.Qwen3MoeConfig(**settings)
 
 
+def tiny_family_config(family: str) -> transformers.PretrainedConfig:
+    """The tiny config of the parity tests of one of moetune's other families."""
+    from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
+    from tests.test_gpt_oss_parity import tiny_gpt_oss_config
+    from tests.test_nemotron_h_parity import tiny_nemotron_h_config
+
+    return {"deepseek_v3": tiny_deepseek_v3_config, "gpt_oss": tiny_gpt_oss_config, "nemotron_h": tiny_nemotron_h_config}[family]()
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| (0 when both are 0)."""
     a, b = a.detach().double(), b.detach().double()

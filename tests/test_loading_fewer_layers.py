@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import moetune
-from tests.conftest import parity_batch, save_per_expert_checkpoint
+from tests.conftest import parity_batch, save_per_expert_checkpoint, tiny_family_config
 
 
 @pytest.fixture
@@ -50,17 +50,9 @@ def test_loading_info_lists_the_layers_left_unread(checkpoint):
     assert not info["missing_keys"] and not info["mismatched_keys"] and not info["error_msgs"]
 
 
-def _tiny_config(family: str):
-    from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
-    from tests.test_gpt_oss_parity import tiny_gpt_oss_config
-    from tests.test_nemotron_h_parity import tiny_nemotron_h_config
-
-    return {"deepseek_v3": tiny_deepseek_v3_config, "gpt_oss": tiny_gpt_oss_config, "nemotron_h": tiny_nemotron_h_config}[family]()
-
-
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "nemotron_h"])
 def test_the_other_families_load_fewer_layers_like_transformers(family, tmp_path):
-    config = _tiny_config(family)
+    config = tiny_family_config(family)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)  # their Hub layouts
     fewer = config.num_hidden_layers - 1

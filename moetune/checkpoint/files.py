@@ -1,5 +1,6 @@
 """The safetensors files of a checkpoint folder: which tensor is in which file, with shapes, read
-from the headers only (nothing is loaded). Pickle files are never opened."""
+from the headers only (nothing is loaded). Pickle files are never opened. An in-memory state dict
+(``from_pretrained(None, config=..., state_dict=...)``) is described the same way, with no file."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ SINGLE_NAME = "model.safetensors"
 
 @dataclass(frozen=True)
 class TensorInfo:
-    file: Path
+    file: Path | None
+    """The safetensors file holding the tensor; None for a tensor of an in-memory state dict."""
     shape: tuple[int, ...]
     dtype: str
     name: str
@@ -86,6 +88,34 @@ def list_checkpoint_tensors(folder: str | os.PathLike, *, variant: str | None = 
                 if key in tensors:
                     raise ValueError(f"tensor {key!r} appears in both {tensors[key].file.name} and {path.name}")
                 tensors[key] = TensorInfo(path, tuple(view.get_shape()), view.get_dtype(), key)
+    return tensors
+
+
+# torch dtype -> the safetensors header's name for it (what ``safe_open``'s ``get_dtype`` reports).
+_SAFETENSORS_DTYPES = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2", "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
+}  # fmt: skip
+
+
+def state_dict_tensors(state_dict: dict) -> dict[str, TensorInfo]:
+    """``list_checkpoint_tensors`` for an in-memory state dict of plain tensors (``TensorInfo.file``
+    None): what ``plan_checkpoint_load`` checks and ``load_checkpoint`` reads."""
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict of tensor name -> torch.Tensor, got {type(state_dict).__name__}")
+    import torch
+
+    tensors: dict[str, TensorInfo] = {}
+    for key, tensor in state_dict.items():
+        if not isinstance(key, str) or not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"state_dict must map tensor names to torch.Tensors; {key!r} holds {type(tensor).__name__}")
+        if hasattr(tensor, "full_tensor") or tensor.is_meta:
+            raise ValueError(
+                f"state_dict[{key!r}] is a {'meta' if tensor.is_meta else 'sharded (DTensor)'} tensor; pass plain "
+                "tensors holding the values (DTensor.full_tensor())"
+            )
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        tensors[key] = TensorInfo(None, tuple(tensor.shape), _SAFETENSORS_DTYPES.get(dtype, dtype), key)
     return tensors
 
 

@@ -91,6 +91,18 @@ class CheckpointLayout:
             return Region(param, (expert, fused.parts.index(part) * part_rows, 0), (1, part_rows, cols))
         return None
 
+    def per_expert_target(self, key: str, param_shapes: dict[str, tuple[int, ...]]) -> tuple[str, int, str] | None:
+        """(fused parameter, expert, part) of per-expert tensor ``key``, whatever the model's number of
+        experts (``region`` is None beyond it); None for any other tensor."""
+        match = self._per_expert_pattern().match(self.canonical(key)) if self.fused_experts else None
+        if match is None:
+            return None
+        for fused in self.fused_experts:
+            param = f"{match['prefix']}.{fused.name}"
+            if match["part"] in fused.parts and param in param_shapes:
+                return param, int(match["expert"]), match["part"]
+        return None
+
     def per_expert_tensors(self, name: str, tensor):
         """Split fused parameter ``name`` into Hub per-expert tensors; other names pass through."""
         for fused in self.fused_experts:

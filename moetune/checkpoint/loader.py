@@ -3,19 +3,27 @@
 1. ``plan_checkpoint_load`` maps every checkpoint tensor to a block of a parameter using only the
    files' headers and the model's shapes (a model on the meta device is enough), and raises a
    ``ValueError`` naming the tensors that are missing, unexpected or mis-shaped, before anything
-   is allocated.
+   is allocated. With ``mismatched`` (``from_pretrained(..., ignore_mismatched_sizes=True)``) the
+   parameters whose checkpoint shape differs are listed there instead and left unread.
 2. ``load_checkpoint`` copies each block into the part of the parameter this process holds:
    plain tensors hold everything; DTensors (FSDP2 shards, expert-parallel shards) hold a
    sub-block, and only that sub-block is read from the memory-mapped file. Files are visited one
-   at a time, so host memory holds at most one tensor beyond the model.
+   at a time, so host memory holds at most one tensor beyond the model. A ``TensorReader`` may
+   read the files whole instead of memory-mapping them (``disable_mmap``), or read an in-memory
+   state dict.
+3. ``initialize_afresh`` gives the parameters left unread (mismatched ones) the model's own
+   initialisation, as Transformers does.
 """
 
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from math import prod
+from pathlib import Path
 
 import torch
 from safetensors import safe_open
@@ -76,6 +84,7 @@ def plan_checkpoint_load(
     *,
     unused: list[str] | None = None,
     num_checkpoint_layers: int | None = None,
+    mismatched: list[tuple[str, torch.Size, torch.Size]] | None = None,
 ) -> list[LoadItem]:
     """The blocks to copy; raises naming every missing, unexpected or mis-shaped tensor.
 
@@ -85,7 +94,12 @@ def plan_checkpoint_load(
 
     ``num_checkpoint_layers``: the checkpoint's own ``num_hidden_layers`` (default: the model's);
     with ``layout.trailing_mtp_layers``, the layers numbered from there on are its
-    multi-token-prediction modules and are skipped."""
+    multi-token-prediction modules and are skipped.
+
+    ``mismatched``: when given, a parameter whose checkpoint shape differs from the model's (a
+    resized vocabulary, other expert sizes, another number of experts) is not an error: it is listed
+    there as Transformers' ``mismatched_keys`` lists it, ``(name, checkpoint shape, model shape)``
+    (per-expert tensors as the fused shape they stack to), and none of its tensors is read."""
     shapes = model_tensor_shapes(model)
     layer_indices = {i for i in map(_layer_index, shapes) if i is not None}
     num_layers = max(layer_indices) + 1 if layer_indices else None
@@ -96,14 +110,23 @@ def plan_checkpoint_load(
     unexpected, misshaped, missing = [], [], []
     reported: set[str] = set()  # parameters a mis-shaped tensor or missing scales already account for
     covered: dict[str, int] = defaultdict(int)
+    ignore_sizes = mismatched is not None
+    misfits: dict[str, tuple[int, ...] | None] = {}  # ignore_sizes: parameter -> checkpoint shape (None: stacked experts)
+    expert_shapes: dict[str, dict[int, dict[str, tuple[int, ...]]]] = defaultdict(lambda: defaultdict(dict))
     for key, info in tensors.items():
         if layout.is_ignored(key) or layout.canonical(key) in tied:
             continue
         if layout.trailing_mtp_layers and _is_mtp_layer(layout.canonical(key), num_checkpoint_layers):
             continue
+        target = layout.per_expert_target(key, shapes) if ignore_sizes else None
+        if target is not None:
+            expert_shapes[target[0]][target[1]][target[2]] = tuple(info.shape)
         quantized = _mxfp4_param(layout, key, shapes)
         if quantized is not None:
-            if key.endswith(mxfp4.BLOCKS_SUFFIX):
+            if ignore_sizes and key.endswith(mxfp4.BLOCKS_SUFFIX) and tuple(info.shape) != mxfp4.quantized_shapes(shapes[quantized])[0]:
+                experts, fan_out, groups, _ = info.shape  # blocks [E, out, in / 32, 16] store [E, in, out]
+                misfits[quantized] = (experts, groups * mxfp4.GROUP, fan_out)
+            elif key.endswith(mxfp4.BLOCKS_SUFFIX):
                 item = _mxfp4_item(key, info, quantized, shapes[quantized], tensors, missing, misshaped)
                 if item is None:
                     reported.add(quantized)
@@ -114,12 +137,18 @@ def plan_checkpoint_load(
         if layout.fp8_block_scaled and key.endswith(fp8.SCALE_SUFFIX) and key[: -len(fp8.SCALE_SUFFIX)] in tensors:
             continue  # read with its weight
         region = layout.region(key, shapes)
+        if region is None and target is not None:  # an expert beyond the model's number of experts
+            misfits[target[0]] = None
+            continue
         if region is None:
             index = _layer_index(layout.canonical(key))
             beyond_the_model = unused is not None and num_layers is not None and index is not None and index >= num_layers
             (unused if beyond_the_model else unexpected).append(key)
             continue
         extra = 0 if region.param == layout.canonical(key) else 1  # per-expert tensors lack the leading expert dim
+        if tuple(info.shape) != region.shape[extra:] and ignore_sizes:
+            misfits[region.param] = None if extra else tuple(info.shape)
+            continue
         if tuple(info.shape) != region.shape[extra:]:
             misshaped.append(f"{key} {list(info.shape)} (expected {list(region.shape[extra:])} for {region.param})")
             reported.add(region.param)
@@ -132,7 +161,18 @@ def plan_checkpoint_load(
                 continue
         covered[region.param] += prod(region.shape)
         items.append(item)
+    if ignore_sizes:
+        for param, by_expert in expert_shapes.items():
+            if param not in misfits and _stacked_shape(layout, param, by_expert) != shapes[param]:
+                misfits[param] = None  # another number of experts
+        items = [item for item in items if item.region.param not in misfits]
+        for param, checkpoint_shape in sorted(misfits.items()):
+            if checkpoint_shape is None:
+                checkpoint_shape = _stacked_shape(layout, param, expert_shapes[param])
+            mismatched.append((param, torch.Size(checkpoint_shape), torch.Size(shapes[param])))
     for name, shape in shapes.items():
+        if name in misfits:
+            continue
         if covered[name] != prod(shape) and not any(m.startswith(name) for m in missing):
             absent = [k for k in layout.hub_keys_for(name, shape) if k not in tensors]
             # A parameter whose tensors are all there, one of them mis-shaped (or without its
@@ -144,11 +184,28 @@ def plan_checkpoint_load(
     if unexpected:
         problems.append(f"unexpected tensors ({len(unexpected)}): {_listing(unexpected)}")
     if misshaped:
-        problems.append(f"mis-shaped tensors ({len(misshaped)}): {_listing(misshaped)}")
+        problems.append(
+            f"mis-shaped tensors ({len(misshaped)}): {_listing(misshaped)} (from_pretrained(..., "
+            "ignore_mismatched_sizes=True) initialises such parameters afresh instead)"
+        )
     if problems:
-        folder = next(iter(tensors.values())).file.parent if tensors else "?"
-        raise ValueError(f"checkpoint {str(folder)!r} does not match {type(model).__name__}: " + "; ".join(problems))
+        raise ValueError(f"checkpoint {_source_name(tensors)!r} does not match {type(model).__name__}: " + "; ".join(problems))
     return items
+
+
+def _source_name(tensors: dict[str, TensorInfo]) -> str:
+    file = next(iter(tensors.values())).file if tensors else None
+    return "state_dict" if tensors and file is None else str(file.parent) if file is not None else "?"
+
+
+def _stacked_shape(layout: CheckpointLayout, param: str, by_expert: dict[int, dict[str, tuple[int, ...]]]) -> tuple[int, ...]:
+    """The shape per-expert tensors stack to (Transformers' merge): [experts, rows of the parts, cols]."""
+    parts = next(f.parts for f in layout.fused_experts if param.endswith(f".{f.name}"))
+    if not by_expert:
+        return ()
+    first = by_expert[min(by_expert)]
+    present = [first[part] for part in parts if part in first]
+    return (len(by_expert), sum(shape[0] for shape in present), present[0][1])
 
 
 def _is_mtp_layer(name: str, num_checkpoint_layers: int | None) -> bool:
@@ -228,18 +285,91 @@ def local_block(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     return tensor, (0,) * tensor.dim()
 
 
+class _Tensors:
+    """``safe_open``'s ``get_slice`` over tensors in memory (slicing a tensor reads like a file's slice)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def get_slice(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+class TensorReader:
+    """Where ``load_checkpoint`` reads: safetensors files, memory-mapped (``safe_open``: only the
+    blocks a process holds are read) or, with ``mmap=False`` (Transformers' ``disable_mmap=True``,
+    for filesystems where memory-mapping misbehaves), each file read whole into memory with plain
+    reads, a few files at a time; tensors with no file come from ``state_dict``."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor] | None = None, *, mmap: bool = True, files_in_memory: int = 2):
+        self.state_dict, self.mmap, self.files_in_memory = state_dict, mmap, files_in_memory
+        self._whole: OrderedDict[str, _Tensors] = OrderedDict()
+
+    @contextmanager
+    def open(self, file: Path | None) -> Iterator:
+        if file is None:
+            if self.state_dict is None:
+                raise ValueError("a tensor of an in-memory state dict, but the reader was given no state_dict")
+            yield _Tensors(self.state_dict)
+        elif self.mmap:
+            with safe_open(str(file), framework="pt") as handle:
+                yield handle
+        else:
+            yield self._read_whole(str(file))
+
+    def _read_whole(self, path: str) -> _Tensors:
+        if path in self._whole:
+            self._whole.move_to_end(path)
+            return self._whole[path]
+        while len(self._whole) >= self.files_in_memory:  # a weight's file and its scales' (FP8 / MXFP4)
+            self._whole.popitem(last=False)
+        from safetensors.torch import load
+
+        with open(path, "rb") as file:
+            self._whole[path] = _Tensors(load(file.read()))
+        return self._whole[path]
+
+
 @torch.no_grad()
-def load_checkpoint(model: nn.Module, items: list[LoadItem]) -> None:
+def load_checkpoint(model: nn.Module, items: list[LoadItem], reader: TensorReader | None = None) -> None:
+    reader = reader or TensorReader()
     targets = dict(model.named_parameters())
     targets.update(dict(model.named_buffers()))
-    by_file: dict[str, list[LoadItem]] = defaultdict(list)
+    by_file: dict[Path | None, list[LoadItem]] = defaultdict(list)
     for item in items:
-        by_file[str(item.info.file)].append(item)
+        by_file[item.info.file].append(item)
     for path, file_items in by_file.items():
-        with safe_open(path, framework="pt") as handle:
+        with reader.open(path) as handle:
             for item in file_items:
                 local, local_offset = local_block(targets[item.region.param])
-                {"plain": _copy_block, "fp8": _copy_block, "mxfp4": _copy_mxfp4}[item.kind](handle, item, local, local_offset)
+                copy = {"plain": _copy_block, "fp8": _copy_block, "mxfp4": _copy_mxfp4}[item.kind]
+                copy(handle, item, local, local_offset, reader)
+
+
+@torch.no_grad()
+def initialize_afresh(model: nn.Module, names: set[str]) -> None:
+    """Initialise parameters ``names`` (left unread: their checkpoint shapes differ) the way
+    Transformers initialises missing and mismatched keys: every other tensor is flagged
+    ``_is_hf_initialized`` and ``model.initialize_weights()`` runs the model's ``_init_weights``,
+    whose init functions skip flagged tensors. Sharded (DTensor) parameters are drawn as their part
+    of one full draw (``moetune.distributed.sharded_init``). The flags are removed afterwards, so the
+    model is flagged as any other moetune model is (not at all)."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    sharded = any(hasattr(tensor, "to_local") for _, tensor in tensors)
+    for name, tensor in tensors:
+        tensor._is_hf_initialized = name not in names
+    context = nullcontext()
+    if sharded:
+        from moetune.distributed.sharded_init import sharded_init_functions
+
+        context = sharded_init_functions()
+    try:
+        with context:
+            model.initialize_weights()
+    finally:
+        for owner in [*model.modules(), *(tensor for _, tensor in tensors)]:
+            if "_is_hf_initialized" in vars(owner):
+                del owner._is_hf_initialized
 
 
 def _overlap(
@@ -294,7 +424,7 @@ def load_per_expert_tensors(
     return rest, filled
 
 
-def _copy_block(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple[int, ...]) -> None:
+def _copy_block(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple[int, ...], reader: TensorReader) -> None:
     slices = _overlap(item.region, local, local_offset, len(item.info.shape))
     if slices is None:
         return  # this process holds none of the block
@@ -303,18 +433,18 @@ def _copy_block(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple
     if item.kind == "fp8":
         _, scales_info = item.scales
         scale_rows, scale_cols = fp8.scale_rows_cols(*src)
-        with safe_open(str(scales_info.file), framework="pt") as scales_handle:
+        with reader.open(scales_info.file) as scales_handle:
             scales = scales_handle.get_slice(scales_info.name)[scale_rows, scale_cols]
         block = fp8.dequantize(block, scales, *src, dtype=local.dtype)
     local[dest_slices].copy_(block.reshape(local[dest_slices].shape))
 
 
-def _copy_mxfp4(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple[int, ...]) -> None:
+def _copy_mxfp4(handle, item: LoadItem, local: torch.Tensor, local_offset: tuple[int, ...], reader: TensorReader) -> None:
     """Dequantize the experts (and output columns) this process holds of an MXFP4 parameter
     [E, in, out]; the files store [E, out, in / 32 groups]."""
     (e0, i0, o0), (e1, i1, o1) = local_offset, tuple(o + n for o, n in zip(local_offset, local.shape))
     blocks = handle.get_slice(item.info.name)[e0:e1, o0:o1]
     _, scales_info = item.scales
-    with safe_open(str(scales_info.file), framework="pt") as scales_handle:
+    with reader.open(scales_info.file) as scales_handle:
         scales = scales_handle.get_slice(scales_info.name)[e0:e1, o0:o1]
     local.copy_(mxfp4.dequantize(blocks, scales, local.dtype)[:, i0:i1, :])
