@@ -36,8 +36,8 @@
 #     otherarchgraph  the same, moetune's step replayed from CUDA graphs with the updates in the backward
 #                (OTHERARCH_SPECS="config:layers ...": a subset, e.g. "nemotron_3_nano_30b_a3b:16")
 #     quackep    quack's experts under expert parallelism (needs `source benchmarks/install_quack.sh` first):
-#                bf16 parity of the all-to-all dispatcher, whose received rows it buckets for quack, then
-#                moetune alone, real routing, eager: all-to-all (bucketed) and all-gather dispatchers
+#                bf16 parity of the all-to-all dispatcher (quack tuning once per row bucket), then
+#                moetune alone, real routing, eager: all-to-all and all-gather dispatchers
 #     recipe     `moetune finetune`'s own tokens/s, eager and with training.cuda_graph, on one GPU (8 layers)
 #                and on two (16 layers, ep=2) (benchmarks/recipe_probe.py; packed synthetic chat rows)
 #                RECIPE_CONFIG=nemotron_3_nano_30b_a3b (or another shipped bench config): another architecture
@@ -138,7 +138,7 @@ if stage optsweep; then  # OPT_SWEEP="- replicate_bucket_mb=None a=1,b=2": row B
 fi
 
 if stage quackep && has_quack; then
-  echo "== quack experts under EP: parity (all-to-all, bucketed rows), then tokens/s per dispatcher"
+  echo "== quack experts under EP: parity (all-to-all), then tokens/s per dispatcher"
   timeout 200 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/ep_parity.py --option experts_backend=quack \
     2>&1 | grep -E "RESULT|Error|error" || status=1
   for dispatch in alltoall allgather; do

@@ -82,9 +82,9 @@ class DataConfig:
     pad_to_multiple_of: int = 0
     """Without packing, pad each micro-batch to the next multiple of this many tokens instead of to
     its longest sample (0: to the longest; Transformers' collators call it the same). Bounds the
-    number of distinct step shapes at max_length / multiple: each new shape is a new tuning sweep for
-    ``experts_backend="quack"`` (seconds) and a recompile under torch.compile. Packed rows always
-    have ``max_length`` tokens."""
+    number of distinct step shapes at max_length / multiple: each new shape is a recompile under
+    torch.compile (``experts_backend="quack"`` tunes per power-of-two bucket of routed rows, not per
+    shape). Packed rows always have ``max_length`` tokens."""
     packing_strategy: str = "best_fit"
     """How samples fill the packed rows: "best_fit" (best-fit decreasing over each epoch's shuffled
     samples, then the rows shuffled: almost no padding) or "in_order" (next-fit in the shuffled
