@@ -8,6 +8,7 @@ each process's part of the weights read. Every other architecture goes to Transf
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 import transformers
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+from transformers.integrations.hub_kernels import allow_all_hub_kernels
 
 from moetune.checkpoint import (
     list_checkpoint_tensors,
@@ -30,7 +32,12 @@ from moetune.checkpoint.files import state_dict_tensors
 from moetune.checkpoint.loader import TensorReader, initialize_afresh
 from moetune.integrations import IMPLEMENTATION_NAME, register_moetune_experts
 from moetune.integrations.transformers_experts import set_fallback_experts_backend
-from moetune.loading_kwargs import experts_backend_for, pop_loading_arguments
+from moetune.loading_kwargs import (
+    FROM_CONFIG_ARGUMENTS,
+    experts_backend_for,
+    pop_loading_arguments,
+    unexpected_from_config_arguments,
+)
 from moetune.models import ModelFamily, family_for, set_moe_options
 from moetune.models.options import check_experts_backend
 from moetune.options import MoetuneOptions
@@ -41,6 +48,9 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, **kwargs: Any):
+        """Transformers v5's arguments (``FROM_CONFIG_ARGUMENTS`` in ``moetune/loading_kwargs.py`` says
+        what each does here) plus ``MoetuneOptions``. As Transformers' from_config, the model holds
+        ``config`` itself, which gets the attention and experts implementations (and, in 5.25, the dtype)."""
         options = MoetuneOptions.pop_from(kwargs)
         family = family_for(config)
         if family is None:
@@ -49,17 +59,26 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             return _with_fallback_experts_backend(
                 transformers.AutoModelForCausalLM.from_config(config, **kwargs), options.experts_backend
             )
-        if kwargs.get("attn_implementation") is None:
-            kwargs["attn_implementation"] = _attention_for(config, family)
+        arguments = pop_loading_arguments(kwargs, FROM_CONFIG_ARGUMENTS)
+        if kwargs:
+            raise unexpected_from_config_arguments(list(kwargs), config)
+        experts_backend = experts_backend_for(arguments["experts_implementation"], options.experts_backend, config.model_type)
+        build = {"attn_implementation": arguments["attn_implementation"] or _attention_for(config, family)}
+        for name in ("dtype", "torch_dtype"):  # Transformers' _from_config picks between them
+            if name in arguments.given:
+                value = arguments.given[name]
+                build[name] = config.dtype if isinstance(value, str) and value == "auto" else as_torch_dtype(value, name)
+        with contextlib.ExitStack() as building:
+            if arguments["allow_all_kernels"]:  # as Transformers' _from_config (which cannot forward it to __init__)
+                building.enter_context(allow_all_hub_kernels())
+            if options.distributed:
+                building.enter_context(torch.device("meta"))
+            model = family.causal_lm._from_config(config, **build)
+        set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
         if options.distributed:
             from moetune.distributed import parallelize_for_options
 
-            with torch.device("meta"):
-                model = family.causal_lm._from_config(config, **kwargs)
-            set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=options.experts_backend)
             return parallelize_for_options(model, options, init_weights=True)
-        model = family.causal_lm._from_config(config, **kwargs)
-        set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=options.experts_backend)
         return _with_lora(model, options)
 
     @classmethod
@@ -76,7 +95,8 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             return _load_gguf_with_transformers(path, model_args, fallback_kwargs, options)
         # The config first (of a Hub repo, only its JSON files): whether moetune implements the
         # architecture, and so what the arguments mean, is known before any weight is fetched or read.
-        folder = None if path is None else resolve_checkpoint_folder(path, patterns=("*.json",), **hub)
+        config_files = ("*.json", "*.py") if loading["trust_remote_code"] else ("*.json",)  # remote code's config class
+        folder = None if path is None else resolve_checkpoint_folder(path, patterns=config_files, **hub)
         trust_remote_code, config = loading["trust_remote_code"], loading["config"]
         config_overrides = set(kwargs)
         config_given = config is not None
@@ -117,7 +137,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         device = resolve_device(loading["device_map"], distributed=options.distributed)
         config.dtype = dtype
         config._name_or_path = "" if path is None else str(path)
-        with torch.device("meta"):
+        with torch.device("meta"), allow_all_hub_kernels() if loading["allow_all_kernels"] else contextlib.nullcontext():
             model = family.causal_lm._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
         # A caller who made the model shallower than the checkpoint (num_hidden_layers=N, a shorter
         # layer pattern, or a config of its own) gets the first layers; the tensors of the others are
@@ -331,7 +351,7 @@ def rebuild_non_persistent_buffers(model: torch.nn.Module, device: torch.device 
             getattr(module, buffer_name).copy_(getattr(fresh, buffer_name))
 
 
-CHECKPOINT_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja")
+CHECKPOINT_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py")
 
 
 def resolve_checkpoint_folder(
@@ -396,13 +416,18 @@ def resolve_dtype(dtype: Any, config: PretrainedConfig, tensors: dict) -> torch.
             float_dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
             dtype = next((float_dtypes[t.dtype] for t in tensors.values() if t.dtype in float_dtypes), None)
         dtype = dtype or torch.get_default_dtype()
+    return as_torch_dtype(dtype)
+
+
+def as_torch_dtype(dtype: Any, name: str = "dtype") -> torch.dtype | None:
+    """A torch dtype given as itself or by its name ('bfloat16'), or None; else a ValueError naming the argument."""
     if isinstance(dtype, str):
         resolved = getattr(torch, dtype, None)
         if not isinstance(resolved, torch.dtype):
-            raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'bfloat16', 'float32' or 'auto')")
-        dtype = resolved
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype, a string naming one, or 'auto'; got {dtype!r}")
+            raise ValueError(f"{name} {dtype!r} is not a torch dtype (e.g. 'bfloat16', 'float32' or 'auto')")
+        return resolved
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name} must be a torch.dtype, a string naming one, or 'auto'; got {dtype!r}")
     return dtype
 
 

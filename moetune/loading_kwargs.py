@@ -20,6 +20,12 @@ Treatments:
 - ``refused``: a value other than the defaults listed is a ``ValueError`` naming the argument and
   what to use instead, raised once the config is read and before any weight is downloaded or read.
 - ``moetune``: moetune's own ``MoetuneOptions`` field with Transformers' name (moetune's meaning).
+
+``FROM_CONFIG_ARGUMENTS`` does the same for ``from_config(config, **kwargs)``: what Transformers'
+``AutoModelForCausalLM.from_config`` (``trust_remote_code``) and ``PreTrainedModel._from_config``
+(the rest) take, 5.10 and 5.25 alike; anything else goes to the model class's ``__init__`` there,
+which for these architectures takes only the config (a ``TypeError``), and is a ``TypeError`` here
+too, naming what from_config takes (``unexpected_from_config_arguments``).
 """
 
 from __future__ import annotations
@@ -159,7 +165,11 @@ ARGUMENTS: tuple[Argument, ...] = (
     ),
     Argument("kernel_config", WARNED, "the mapping of " + _HUB_KERNELS),
     Argument("kernels_mode", WARNED, "the mode of " + _HUB_KERNELS),
-    Argument("allow_all_kernels", IGNORED, "only lets kernel_config name any Hub kernel, and no Hub kernel is applied", (False,)),
+    Argument(
+        "allow_all_kernels", SUPPORTED,
+        "the model is built under Transformers' allow_all_hub_kernels(), so attn_implementation may name any Hub "
+        "kernel, as in Transformers", (False,),
+    ),
     # Arguments Transformers v5 drops without a word.
     Argument("low_cpu_mem_usage", IGNORED, "moetune always builds on the meta device and reads each tensor once"),
     *(
@@ -170,6 +180,35 @@ ARGUMENTS: tuple[Argument, ...] = (
 
 _BY_NAME = {argument.name: argument for argument in ARGUMENTS}
 HUB_ARGUMENTS = tuple(a.name for a in ARGUMENTS if a.treatment == HUB)
+
+FROM_CONFIG_ARGUMENTS: tuple[Argument, ...] = (
+    Argument(
+        "trust_remote_code", IGNORED,
+        "the config is built already, and moetune's model classes are its own, never remote code (Transformers' "
+        "from_config uses it only for a config whose auto_map names remote code)",
+    ),
+    Argument("code_revision", IGNORED, "the revision of remote code, which moetune never runs (Transformers takes it only then)"),
+    Argument(
+        "dtype", SUPPORTED,
+        "as Transformers' _from_config: the model is built with it as torch's default dtype (restored afterwards) and "
+        "Transformers 5.25 records it as config.dtype; left out: config.dtype (None: torch's default); a torch dtype "
+        "or its name; 'auto' (which Transformers' from_config does not take): config.dtype, as from_pretrained's "
+        "'auto' means without a checkpoint",
+    ),
+    Argument(
+        "torch_dtype", SUPPORTED,
+        "the old name of `dtype` (the same values), as Transformers takes it: `dtype` wins unless it equals config.dtype",
+    ),
+    _BY_NAME["attn_implementation"],
+    _BY_NAME["experts_implementation"],
+    Argument(
+        "allow_all_kernels", SUPPORTED,
+        "lets attn_implementation name any Hub kernel, as Transformers' _from_config means it (Transformers' own "
+        "from_config also passes it on to the model's __init__, a TypeError)",
+        (False,),
+    ),
+    _BY_NAME["device_mesh"],
+)
 
 
 def _is_default(value: Any, defaults: tuple) -> bool:
@@ -214,10 +253,32 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def pop_loading_arguments(kwargs: dict[str, Any]) -> LoadingArguments:
-    """Take every Transformers loading argument out of ``kwargs`` (what is left: config fields)."""
-    names = [argument.name for argument in ARGUMENTS if argument.treatment != MOETUNE]  # MoetuneOptions pops those
+def pop_loading_arguments(kwargs: dict[str, Any], arguments: tuple[Argument, ...] = ARGUMENTS) -> LoadingArguments:
+    """Take every Transformers loading argument (of ``arguments``: from_pretrained's by default) out
+    of ``kwargs`` (what is left: config fields for from_pretrained, nothing valid for from_config)."""
+    names = [argument.name for argument in arguments if argument.treatment != MOETUNE]  # MoetuneOptions pops those
     return LoadingArguments({name: kwargs.pop(name) for name in names if name in kwargs})
+
+
+def unexpected_from_config_arguments(names: list[str], config: Any) -> TypeError:
+    """The error for keyword arguments ``from_config`` does not take (Transformers' model classes raise
+    a TypeError for them too: ``__init__() got an unexpected keyword argument``)."""
+    fields = [name for name in sorted(names) if hasattr(config, name)]
+    loading = [name for name in sorted(names) if name in _BY_NAME and name not in fields]
+    hints = []
+    if fields:
+        hints.append(
+            f"{', '.join(fields)}: config fields, which from_config does not override (set them on the config first: "
+            f"config.{fields[0]} = ...)"
+        )
+    if loading:
+        hints.append(f"{', '.join(loading)}: from_pretrained's loading arguments, which from_config does not take")
+    takes = ", ".join(a.name for a in FROM_CONFIG_ARGUMENTS if a.treatment != MOETUNE)
+    return TypeError(
+        f"from_config() got unexpected keyword arguments {sorted(names)} for moetune's {config.model_type} (a TypeError "
+        f"in Transformers too, whose model class takes only the config); it takes {takes}, and MoetuneOptions' fields "
+        "(ep_size, device_mesh, experts_backend, lora, ...)" + "".join(f"; {hint}" for hint in hints)
+    )
 
 
 def check_fusion_config(fusion_config: Any) -> None:

@@ -391,6 +391,27 @@ def test_hub_download_fetches_the_config_first_and_takes_tqdm_class(checkpoint, 
     with pytest.raises(ValueError, match="max_memory"):
         moetune.AutoModelForCausalLM.from_pretrained("org/model", max_memory={0: "1GiB"})
     assert [c[1] for c in calls] == [("*.json",)]
+    calls.clear()
+    moetune.AutoModelForCausalLM.from_pretrained("org/model", trust_remote_code=True)  # a remote config class's file
+    assert [c[1] for c in calls] == [("*.json", "*.py"), auto.CHECKPOINT_PATTERNS] and "*.py" in auto.CHECKPOINT_PATTERNS
+
+
+def test_allow_all_kernels_builds_the_model_under_transformers_switch(checkpoint, monkeypatch):
+    """As Transformers: the model's attention may then name any Hub kernel (the switch is entered around
+    the build, in from_pretrained as in from_config)."""
+    import contextlib
+
+    entered = []
+
+    @contextlib.contextmanager
+    def recording():
+        entered.append(True)
+        yield
+
+    monkeypatch.setattr(auto, "allow_all_hub_kernels", recording)
+    assert _is_moetune(moetune.AutoModelForCausalLM.from_pretrained(checkpoint, allow_all_kernels=True))
+    assert _is_moetune(moetune.AutoModelForCausalLM.from_pretrained(checkpoint))
+    assert entered == [True]
 
 
 # ---------------------------------------------------------------- quantization_config and gguf_file
