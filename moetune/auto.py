@@ -52,6 +52,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         what each does here) plus ``MoetuneOptions``. As Transformers' from_config, the model holds
         ``config`` itself, which gets the attention and experts implementations (and, in 5.25, the dtype)."""
         options = MoetuneOptions.pop_from(kwargs)
+        config = as_implemented_config(config)
         family = family_for(config)
         if family is None:
             _check_fallback_options(config, options)
@@ -113,7 +114,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         else:
             # Loading sets dtype, _name_or_path and may drop quantization_config: do that to a copy,
             # as Transformers does, so the caller's config is unchanged and no two models share one.
-            config = copy.deepcopy(config)
+            config = copy.deepcopy(as_implemented_config(config))
         family = _family_for_quantization(config, family_for(config), loading["quantization_config"], path)
         if family is None:
             return _load_with_transformers(path, model_args, fallback_kwargs, config, config_overrides, options)
@@ -379,6 +380,24 @@ def resolve_checkpoint_folder(
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
+def _aliased_config_class(alias: str) -> type[PretrainedConfig]:
+    return type(AutoConfig.for_model(alias))
+
+
+def _aliased_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if k not in ("model_type", "auto_map")}
+
+
+def as_implemented_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A config of a model type moetune implements under another name (``MODEL_TYPE_ALIASES``:
+    Kimi-K2's remote-code config, built with ``trust_remote_code=True``) as Transformers' own
+    config class of the same fields; any other config as it is."""
+    alias = MODEL_TYPE_ALIASES.get(getattr(config, "model_type", None))
+    if alias is None:
+        return config
+    return _aliased_config_class(alias).from_dict(_aliased_fields(config.to_dict()))
+
+
 def _load_config(folder: Path, *, trust_remote_code: bool | None, overrides: dict[str, Any]) -> PretrainedConfig:
     """The config in ``folder``'s config.json (or in ``folder`` itself, a config file)."""
     path = folder if folder.is_file() else folder / "config.json"
@@ -392,10 +411,8 @@ def _load_config(folder: Path, *, trust_remote_code: bool | None, overrides: dic
     data = json.loads(path.read_text())
     alias = MODEL_TYPE_ALIASES.get(data.get("model_type"))
     try:
-        if alias is not None and not trust_remote_code:  # Transformers' own class, no remote code
-            fields = {k: v for k, v in data.items() if k not in ("model_type", "auto_map")}
-            config_class = type(AutoConfig.for_model(alias))
-            config, unused = config_class.from_dict(fields, return_unused_kwargs=True, **overrides)
+        if alias is not None:  # moetune implements it: Transformers' own config class, never the remote code's
+            config, unused = _aliased_config_class(alias).from_dict(_aliased_fields(data), return_unused_kwargs=True, **overrides)
         else:
             config, unused = AutoConfig.from_pretrained(
                 folder, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **overrides

@@ -174,6 +174,22 @@ def test_kimi_k2_configs_load_as_deepseek_v3_without_remote_code(tmp_path):
     ours = moetune.AutoModelForCausalLM.from_pretrained(folder)
     assert isinstance(ours, DeepseekV3ForCausalLM) and ours.config.model_type == "deepseek_v3"
     check_training_parity(ours, ref, padded=False)
+    # Kimi-K2's model card loads it with trust_remote_code=True: moetune's implementation still, with no
+    # remote code run (the folder holds none: its config class is never imported).
+    ours = moetune.AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+    assert type(ours).__module__.startswith("moetune.") and ours.config.model_type == "deepseek_v3"
+    ref.zero_grad(set_to_none=True)
+    check_training_parity(ours, ref, padded=False)
+
+
+def test_a_kimi_k2_config_object_builds_moetunes_deepseek_v3():
+    """A config built by Kimi-K2's remote code (model_type kimi_k2, DeepSeek-V3's fields) gets moetune's
+    implementation from from_config too."""
+    remote = tiny_deepseek_v3_config()
+    remote.model_type = "kimi_k2"  # what the remote config class says; its fields are DeepSeek-V3's
+    model = moetune.AutoModelForCausalLM.from_config(remote)
+    assert type(model).__module__.startswith("moetune.") and model.config.model_type == "deepseek_v3"
+    assert model.config.n_routed_experts == remote.n_routed_experts and model.config.vocab_size == remote.vocab_size
 
 
 def test_bad_group_settings_name_the_fields():
