@@ -166,6 +166,14 @@ def test_mxfp4_checkpoint_with_a_missing_scale_names_it(tmp_path):
         moetune.AutoModelForCausalLM.from_pretrained(folder)
 
 
+def test_mxfp4_checkpoint_of_other_expert_sizes_is_reported_as_mis_shaped_only(tmp_path):
+    """Blocks of another shape are one problem: named as mis-shaped, not also as missing tensors."""
+    _, folder = _mxfp4_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=r"mis-shaped tensors \(\d+\): model.layers.0.mlp.experts.down_proj_blocks") as error:
+        moetune.AutoModelForCausalLM.from_pretrained(folder, intermediate_size=64)
+    assert "missing tensors" not in str(error.value)
+
+
 @pytest.mark.distributed
 def test_mxfp4_under_expert_parallelism_reads_each_ranks_experts(tmp_path):
     from tests.distributed import workers

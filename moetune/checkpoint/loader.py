@@ -109,6 +109,7 @@ def plan_checkpoint_load(
     items: list[LoadItem] = []
     unexpected, misshaped, missing = [], [], []
     reported: set[str] = set()  # parameters a mis-shaped tensor or missing scales already account for
+    quantized_reported: set[str] = set()  # MXFP4 parameters among them: their blocks and scales are all they have
     covered: dict[str, int] = defaultdict(int)
     ignore_sizes = mismatched is not None
     misfits: dict[str, tuple[int, ...] | None] = {}  # ignore_sizes: parameter -> checkpoint shape (None: stacked experts)
@@ -130,6 +131,7 @@ def plan_checkpoint_load(
                 item = _mxfp4_item(key, info, quantized, shapes[quantized], tensors, missing, misshaped)
                 if item is None:
                     reported.add(quantized)
+                    quantized_reported.add(quantized)
                 else:
                     covered[quantized] += prod(shapes[quantized])
                     items.append(item)
@@ -171,7 +173,7 @@ def plan_checkpoint_load(
                 checkpoint_shape = _stacked_shape(layout, param, expert_shapes[param])
             mismatched.append((param, torch.Size(checkpoint_shape), torch.Size(shapes[param])))
     for name, shape in shapes.items():
-        if name in misfits:
+        if name in misfits or name in quantized_reported:
             continue
         if covered[name] != prod(shape) and not any(m.startswith(name) for m in missing):
             absent = [k for k in layout.hub_keys_for(name, shape) if k not in tensors]
