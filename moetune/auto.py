@@ -453,9 +453,9 @@ def resolve_device(device_map: Any, *, distributed: bool) -> torch.device:
     if distributed:
         if device_map not in (None, "auto"):
             raise ValueError("device_map cannot be combined with ep_size / device_mesh: each rank uses its own device")
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        return torch.device("cpu")
+        from moetune.distributed.mesh import rank_device
+
+        return rank_device()
     if device_map is None:
         return torch.device("cpu")
     if device_map == "auto":

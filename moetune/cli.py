@@ -39,6 +39,12 @@ def finetune_main(argv: list[str]) -> int:
             print(f"--{key} (default {default})\n    {doc}")
         return 0
     if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
+        tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
+        if tasks > 1:
+            # Each srun task would start a job of its own (--standalone), all writing one output folder.
+            parser.error(f"--nproc-per-node starts one node's job, but srun started this command {tasks} times: "
+                         "launch torchrun yourself (srun ... python -m torch.distributed.run --nnodes N "
+                         "--rdzv-backend c10d ...; examples/slurm_qwen3_30b_a3b.sbatch)")
         # Not a launcher of our own: torchrun handles rendezvous, env vars and failures.
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={args.nproc_per_node}", "-m", "moetune.cli", "finetune", *_without_nproc(argv)]

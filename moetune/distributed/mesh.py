@@ -73,10 +73,17 @@ def require_process_group() -> int:
 
 
 def rank_device() -> torch.device:
-    """This rank's device: ``cuda:LOCAL_RANK`` when CUDA is available, else the CPU."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())))
-    return torch.device("cpu")
+    """This rank's device: ``cuda:LOCAL_RANK`` when CUDA is available (the node's GPU, never the
+    global rank's: on several nodes they differ; without LOCAL_RANK, the global rank modulo the
+    node's GPUs), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None:
+        return torch.device("cuda", int(local))
+    if dist.is_available() and dist.is_initialized():
+        return torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def check_backend(device: torch.device) -> None:

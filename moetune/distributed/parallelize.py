@@ -16,6 +16,7 @@ dispatcher scales the gradient entering the experts by 1 / ep to compensate (see
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from dataclasses import dataclass
@@ -397,13 +398,15 @@ def parallelize_for_options(model: nn.Module, options, *, init_weights: bool) ->
         vocab_parallel=getattr(options, "vocab_parallel", False),
         lora=getattr(options, "lora", None),
     )
+    # Symmetric memory joins the GPUs of one node: two nodes of one process each are refused too.
+    on_this_node = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
     if config.replicate_transport == "copy_engine" and (
-        config.dense_parallel != "replicate" or device.type != "cuda" or dist.get_world_size() != 2
+        config.dense_parallel != "replicate" or device.type != "cuda" or dist.get_world_size() != 2 or on_this_node != 2
     ):
         raise ValueError(
             "replicate_transport='copy_engine' averages replicated gradients between two CUDA ranks: it needs "
-            f"dense_parallel='replicate', CUDA and 2 processes (got dense_parallel={config.dense_parallel!r}, "
-            f"device {device.type}, {dist.get_world_size()} processes)"
+            f"dense_parallel='replicate', CUDA and 2 processes on one node (got dense_parallel={config.dense_parallel!r}, "
+            f"device {device.type}, {dist.get_world_size()} processes, {on_this_node} on this node)"
         )
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before the mesh: NCCL communicators bind to the current device

@@ -241,6 +241,11 @@ class DistributedConfig:
     """Gradient reduce-scatter dtype with ep_size > 1 ("float32" exact sums, or "bfloat16")."""
     backend: str = ""
     """torch.distributed backend; empty: nccl on GPU, gloo on CPU."""
+    timeout_minutes: float = 30.0
+    """How long a collective or barrier waits for the other processes before the job fails (the
+    process groups' timeout; torch's own defaults: 10 min on NCCL, 30 on gloo). The longest waits
+    are the other ranks' while rank 0 alone writes the final export or a checkpoint's last files,
+    which for a large model on a network filesystem take minutes; a lost node is reported after it."""
     host_gloo_group: bool = True
     """Sum each step's host numbers (token counts, the stop flag, the loss) over a gloo group of the
     ranks, so the host never waits for the GPU's queue for them; false: over the default group
@@ -357,4 +362,6 @@ def validate(config: JobConfig) -> JobConfig:
           "set model.tokenizer_path (or model.pretrained_path, whose tokenizer is then used)")
     check(bool(config.data.train_path), "data.train_path", "must not be empty")
     check(config.metrics.peak_tflops > 0, "metrics.peak_tflops", "must be > 0")
+    check(config.distributed.timeout_minutes > 0, "distributed.timeout_minutes",
+          f"must be > 0, got {config.distributed.timeout_minutes}")
     return config

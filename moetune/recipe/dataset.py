@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
@@ -54,3 +56,13 @@ def prepare_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, seed
             conversations = conversations[: config.num_eval_samples]
         eval_set = build_eval_set(conversations, tokenizer)
     return PreparedData(train=train, val=val, eval_set=eval_set, stats=stats)
+
+
+def data_digest(data: PreparedData) -> str:
+    """The train and validation samples in a few words and a hash of their tokens: what every rank
+    must hold alike (each takes its share of one order of them), which on several nodes can differ
+    (a relative path read from another working directory, a node's own copy of the file or tokenizer)."""
+    digest = hashlib.sha1()
+    for sample in (*data.train, *data.val):
+        digest.update(array("q", [len(sample.input_ids), *sample.input_ids, *sample.labels]).tobytes())
+    return f"{len(data.train)} train / {len(data.val)} validation samples, tokens sha1 {digest.hexdigest()[:12]}"

@@ -16,9 +16,10 @@ from moetune.flops import FlopsCounter
 from moetune.recipe import checkpointing, evaluation, export, metrics, optim, plots
 from moetune.recipe.config import JobConfig
 from moetune.recipe.config_loading import save_config, to_dict
-from moetune.recipe.dataset import PreparedData, prepare_data
+from moetune.recipe.dataset import PreparedData, data_digest, prepare_data
 from moetune.recipe.distributed_setup import (
-    Runtime, all_reduce_sum, init_runtime, sharding_options, shutdown, wrap_model,
+    Runtime, all_reduce_sum, check_same_on_every_rank, check_shared_folder, init_runtime, rank0_decides,
+    sharding_options, shutdown, wrap_model,
 )
 from moetune.recipe.interrupts import StopRequest
 from moetune.recipe.model_loading import (
@@ -74,7 +75,9 @@ def finetune(config: JobConfig) -> FinetuneResult:
         if config.training.num_threads:
             torch.set_num_threads(config.training.num_threads)
         seed_everything(config.training.seed)
-        resume = checkpoint_to_resume(config, runtime)  # before anything is built: a refusal costs nothing
+        check_shared_folder(Path(config.training.output_dir), runtime, field="training.output_dir")
+        # Before anything is built (a refusal costs nothing); read by rank 0 for all (rank0_decides).
+        resume = rank0_decides(lambda: checkpoint_to_resume(config, runtime), runtime)
         job = build_job(config, runtime)
         step = resume_from(job, resume)
         sink = open_sink(job, config, step)
@@ -132,6 +135,9 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
     cuda_graph = uses_cuda_graph(config, runtime, takes_offsets=takes_offsets)
     _check_graph_sharding(config, runtime)
     data = prepare_data(config.data, tokenizer, seed=config.training.seed)
+    # Each rank reads and tokenizes on its own and takes its share of one order: the same samples
+    # everywhere, or some are seen twice and others never (and unequal validation batches hang).
+    check_same_on_every_rank(data_digest(data), runtime, what="the data (data.train_path as each process read it)")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     lora = config.lora if config.lora.enabled else None
     sharding = sharding_options(runtime, config.distributed, lora=lora, model_config=model_config)
@@ -278,7 +284,12 @@ def open_sink(job: Job, config: JobConfig, step: int) -> metrics.MetricsSink | m
     layout = sharding_description(job)
     sink.message(f"model: {layout}; steps {'replayed from CUDA graphs' if job.cuda_graph else 'eager'} "
                  f"(training.cuda_graph {config.training.cuda_graph})")
-    sink.log({"step": step, "sharding": layout, "cuda_graph": job.cuda_graph})
+    runtime = job.runtime
+    if runtime.distributed:
+        sink.message(f"processes: {runtime.world_size} on {runtime.nodes} node{'s' * (runtime.nodes > 1)}; "
+                     "rank 0 writes the output folder")
+    sink.log({"step": step, "sharding": layout, "cuda_graph": job.cuda_graph, "processes": runtime.world_size,
+              "nodes": runtime.nodes})
     return sink
 
 

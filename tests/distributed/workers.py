@@ -317,9 +317,42 @@ def recipe_host_sums(rank: int, world_size: int) -> None:
     assert default.host_group is None and all_reduce_sum([rank + 1.0], default) == [3.0]
 
 
+def _refuse_on_rank0() -> int:
+    raise ValueError("checkpoint.resume: refused by rank 0")
+
+
+def recipe_ranks_agree(rank: int, out: str) -> None:
+    """The recipe's multi-node checks, on two ranks posing as two nodes: an error found on one rank
+    is raised on every rank (none is left waiting in a collective)."""
+    import dataclasses
+
+    import pytest
+
+    from moetune.recipe.config import DistributedConfig, TrainingConfig
+    from moetune.recipe.distributed_setup import (
+        check_same_on_every_rank, check_shared_folder, init_runtime, rank0_decides,
+    )
+
+    runtime = dataclasses.replace(init_runtime(TrainingConfig(device="cpu"), DistributedConfig()), nodes=2)
+    shared = Path(out) / "shared"
+    check_shared_folder(shared, runtime, field="training.output_dir", wait_s=5)
+    dist.barrier()
+    assert list(shared.iterdir()) == []  # rank 0's marker is gone
+    # Node-local folders (each rank its own): refused on both ranks, naming the rank that saw nothing.
+    with pytest.raises(ValueError, match=r"training.output_dir: .* is not one folder for all 2 nodes: ranks 1 \("):
+        check_shared_folder(Path(out) / f"local{rank}", runtime, field="training.output_dir", wait_s=0.3)
+    assert rank0_decides(lambda: 10 + rank, runtime) == 10  # rank 0's answer for all
+    with pytest.raises(ValueError, match="^checkpoint.resume: refused by rank 0$"):
+        rank0_decides(_refuse_on_rank0, runtime)
+    check_same_on_every_rank("same", runtime, what="the data")
+    with pytest.raises(ValueError, match=r"^the data differs between the processes \(rank 0: a; rank 1: b\)$"):
+        check_same_on_every_rank("ab"[rank], runtime, what="the data")
+
+
 def two_process_suite(rank: int, world_size: int, folder: str, tied_folder: str, out: str) -> None:
     assert world_size == 2
     recipe_host_sums(rank, world_size)
+    recipe_ranks_agree(rank, out)
     # Without ep_size / device_mesh, from_pretrained under torchrun returns an unsharded model.
     plain = _load(folder)
     assert not any(isinstance(p, DTensor) for p in plain.parameters())

@@ -149,6 +149,16 @@ def test_nproc_per_node_reexecs_through_torchrun(tmp_path):
     assert out.strip().endswith("'-m', 'moetune.cli', 'finetune', '--optim.lr', '1e-5']")
 
 
+def test_nproc_per_node_is_refused_in_each_of_several_srun_tasks(monkeypatch, capsys):
+    """srun on several nodes would start one single-node job per task, all writing one output folder."""
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["finetune", "--nproc-per-node", "8"])
+    assert exit_info.value.code == 2
+    assert "srun started this command 2 times: launch torchrun yourself" in capsys.readouterr().err
+
+
 def test_cli_reports_a_missing_data_file_without_a_traceback(capsys):
     assert main(["finetune", "--data.train_path", "missing/train.jsonl"]) == 2
     assert "error: data.train_path: file missing/train.jsonl does not exist" in capsys.readouterr().err

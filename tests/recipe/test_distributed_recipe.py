@@ -3,8 +3,6 @@ FSDP2 with an exact resume from a sharded checkpoint, and DDP with a Transformer
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,28 +11,17 @@ import pytest
 import torch
 import transformers
 
-from recipe_helpers import shipped_rows, write_jsonl
+from recipe_helpers import REPO, losses, read_metrics, short_job_args, subprocess_env
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.distributed
 
 
 def run_job(tmp_path: Path, out: Path, *extra: str) -> list[dict]:
-    train = write_jsonl(tmp_path / "train.jsonl", shipped_rows("train.jsonl", 120))
-    test = write_jsonl(tmp_path / "test.jsonl", shipped_rows("test.jsonl", 4))
-    cmd = [sys.executable, "-m", "moetune.cli", "finetune", "--nproc-per-node", "2",
-           "--data.train_path", str(train), "--data.test_path", str(test), "--data.max_length", "64",
-           "--training.micro_batch_size", "1", "--training.output_dir", str(out), "--training.num_threads", "1",
-           "--metrics.progress_bar", "false", "--metrics.log_every", "1", "--metrics.plots", "false",
-           "--training.val_every", "0", "--optim.warmup_steps", "2", *extra]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    cmd = [sys.executable, "-m", "moetune.cli", "finetune", "--nproc-per-node", "2", *short_job_args(tmp_path, out),
+           *extra]
+    run = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-def losses(records: list[dict]) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
+    return read_metrics(out)
 
 
 def test_fsdp2_two_ranks_resume_exactly(tmp_path):
