@@ -3,7 +3,6 @@ FSDP2 with an exact resume from a sharded checkpoint, and DDP with a Transformer
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from recipe_helpers import REPO, losses, read_metrics, short_job_args, subprocess_env
+from recipe_helpers import losses, read_metrics, run_concurrently, short_job_args, subprocess_env
 
 pytestmark = pytest.mark.distributed
 
@@ -19,8 +18,10 @@ pytestmark = pytest.mark.distributed
 def run_job(tmp_path: Path, out: Path, *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "moetune.cli", "finetune", "--nproc-per-node", "2", *short_job_args(tmp_path, out),
            *extra]
-    run = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=240)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    log = tmp_path / f"{out.name}.log"
+    # Its own session, killed whole at the timeout: torchrun's workers must not outlive a hung test.
+    (code,) = run_concurrently([cmd], [log], env=subprocess_env(), timeout_s=240)
+    assert code == 0, log.read_text()[-9000:]
     return read_metrics(out)
 
 

@@ -14,7 +14,6 @@ import math
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,12 +24,11 @@ import transformers
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from recipe_helpers import REPO, losses, read_metrics, short_job_args, subprocess_env
+from recipe_helpers import REPO, losses, read_metrics, run_concurrently, short_job_args, subprocess_env
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 3
-TIMEOUT_S = 150
 SBATCH = REPO / "examples" / "slurm_qwen3_30b_a3b.sbatch"
 
 FAKE_SRUN = r"""#!/bin/bash
@@ -70,50 +68,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every process below it (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        tree.append(todo.pop())
-        todo += children.get(tree[-1], [])
-    return tree
-
-
-def run_concurrently(commands: list[list[str]], logs: list[Path], *, env: dict[str, str],
-                     grace_s: float = 20.0) -> list[int]:
-    """Start ``commands`` at once (stdout and stderr to ``logs``), wait for all; returns their exit
-    codes. When one fails the others get ``grace_s`` to follow; then, or at TIMEOUT_S, every
-    process still running below each command is killed."""
-    procs = []
-    try:
-        for cmd, log in zip(commands, logs):
-            with log.open("w") as out:
-                procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline and None in (codes := [p.poll() for p in procs]):
-            if any(code not in (None, 0) for code in codes):
-                deadline = min(deadline, time.monotonic() + grace_s)
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                for pid in process_tree(p.pid):
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-            p.wait()
-    return [p.returncode for p in procs]
 
 
 def check_ran(codes: list[int], logs: list[Path]) -> None:
