@@ -137,7 +137,8 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
     data = prepare_data(config.data, tokenizer, seed=config.training.seed)
     # Each rank reads and tokenizes on its own and takes its share of one order: the same samples
     # everywhere, or some are seen twice and others never (and unequal validation batches hang).
-    check_same_on_every_rank(data_digest(data), runtime, what="the data (data.train_path as each process read it)")
+    if runtime.distributed:  # the hash reads every token: not for one process
+        check_same_on_every_rank(data_digest(data), runtime, what="the data (data.train_path as each process read it)")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     lora = config.lora if config.lora.enabled else None
     sharding = sharding_options(runtime, config.distributed, lora=lora, model_config=model_config)
