@@ -380,12 +380,11 @@ def resolve_checkpoint_folder(
 MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 
-def _aliased_config_class(alias: str) -> type[PretrainedConfig]:
-    return type(AutoConfig.for_model(alias))
-
-
-def _aliased_fields(fields: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in fields.items() if k not in ("model_type", "auto_map")}
+def _aliased_config(alias: str, fields: dict[str, Any], **kwargs: Any):
+    """Transformers' own config class of model type ``alias`` from another model type's fields
+    (``from_dict``'s keyword arguments pass through)."""
+    own_fields = {k: v for k, v in fields.items() if k not in ("model_type", "auto_map")}
+    return type(AutoConfig.for_model(alias)).from_dict(own_fields, **kwargs)
 
 
 def as_implemented_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -395,7 +394,7 @@ def as_implemented_config(config: PretrainedConfig) -> PretrainedConfig:
     alias = MODEL_TYPE_ALIASES.get(getattr(config, "model_type", None))
     if alias is None:
         return config
-    return _aliased_config_class(alias).from_dict(_aliased_fields(config.to_dict()))
+    return _aliased_config(alias, config.to_dict())
 
 
 def _load_config(folder: Path, *, trust_remote_code: bool | None, overrides: dict[str, Any]) -> PretrainedConfig:
@@ -412,7 +411,7 @@ def _load_config(folder: Path, *, trust_remote_code: bool | None, overrides: dic
     alias = MODEL_TYPE_ALIASES.get(data.get("model_type"))
     try:
         if alias is not None:  # moetune implements it: Transformers' own config class, never the remote code's
-            config, unused = _aliased_config_class(alias).from_dict(_aliased_fields(data), return_unused_kwargs=True, **overrides)
+            config, unused = _aliased_config(alias, data, return_unused_kwargs=True, **overrides)
         else:
             config, unused = AutoConfig.from_pretrained(
                 folder, trust_remote_code=trust_remote_code, return_unused_kwargs=True, **overrides
