@@ -30,6 +30,7 @@ from moetune.checkpoint import (
 )
 from moetune.checkpoint.files import state_dict_tensors
 from moetune.checkpoint.loader import TensorReader, initialize_afresh
+from moetune.distributed import parallelize_for_options
 from moetune.integrations import IMPLEMENTATION_NAME, register_moetune_experts
 from moetune.integrations.transformers_experts import set_fallback_experts_backend
 from moetune.loading_kwargs import (
@@ -41,6 +42,7 @@ from moetune.loading_kwargs import (
 from moetune.models import ModelFamily, family_for, set_moe_options
 from moetune.models.options import check_experts_backend
 from moetune.options import MoetuneOptions
+from moetune.utils.materialize import materialize
 
 
 class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
@@ -77,8 +79,6 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             model = family.causal_lm._from_config(config, **build)
         set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
         if options.distributed:
-            from moetune.distributed import parallelize_for_options
-
             return parallelize_for_options(model, options, init_weights=True)
         return _with_lora(model, options)
 
@@ -168,8 +168,6 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             )
         set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
         if options.distributed:
-            from moetune.distributed import parallelize_for_options
-
             model = parallelize_for_options(model, options, init_weights=False)
         else:
             materialize(model, device)
@@ -328,28 +326,6 @@ def _with_lora(model, options: MoetuneOptions):
     from moetune.lora import apply_lora
 
     return apply_lora(model, options.lora)
-
-
-def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
-    """Allocate a meta-device model on ``device`` (uninitialised) and recompute its non-persistent
-    buffers (RoPE frequencies), which no checkpoint stores."""
-    model.to_empty(device=device)
-    rebuild_non_persistent_buffers(model, device)
-    if hasattr(model, "tie_weights"):  # to_empty gives each module its own tensor, untying lm_head
-        model.tie_weights()
-
-
-@torch.no_grad()
-def rebuild_non_persistent_buffers(model: torch.nn.Module, device: torch.device | str) -> None:
-    for name, module in model.named_modules():
-        if not module._non_persistent_buffers_set:
-            continue
-        if not (type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config")):
-            raise AssertionError(f"don't know how to rebuild non-persistent buffers of {name} ({type(module).__name__})")
-        with torch.device(device):
-            fresh = type(module)(config=module.config)
-        for buffer_name in module._non_persistent_buffers_set:
-            getattr(module, buffer_name).copy_(getattr(fresh, buffer_name))
 
 
 CHECKPOINT_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py")

@@ -69,8 +69,8 @@ class MoetuneOptions:
     per gradient; 'copy_engine' (two ranks on one node, CUDA): each gradient is copied into the peer's
     symmetric-memory buffer by a copy engine and added there, with no NCCL kernel holding SMs
     (``moetune.distributed.peer_copy``; a receive buffer of the replicated gradients' size per rank).
-    On 2 H200s within the spread between runs: ~1 ms faster than NCCL in one session, ~1 ms slower in the
-    next (benchmarks/README.md, ninth and tenth sessions)."""
+    On 2 H200s within the spread between runs: ~1 ms faster than NCCL in one call, ~1 ms slower in the
+    next (2026-11-30, commits e73f328 and 0b36cde; benchmarks/README.md)."""
     vocab_parallel: bool = False
     """``dense_parallel='replicate'``: split the input embedding and the LM head by vocabulary rows over
     all ranks (Megatron-LM's vocabulary parallelism) instead of replicating them: each rank stores,

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,12 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
+from moetune.bench.lora import adapt_with_moetune_lora, adapt_with_peft, lora_notes
+from moetune.bench.weights import init_weights, sharded_weights_match
 from moetune.moe.routing import balanced_assignment
 
 SIDES = ("hf", "moetune")
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "assets" / "configs"
-INIT_STD = 0.02
 
 
 class SideUnavailable(RuntimeError):
@@ -69,78 +69,6 @@ def load_config(name_or_path: str, *, layers: int | None = None) -> tuple[str, t
     config.use_cache = False
     name = path.stem if path.name != "config.json" else path.parent.name
     return name.replace("_", "-"), config
-
-
-def _param_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def _draw(seed: int, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
-    generator = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
-    return torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, INIT_STD, generator=generator)
-
-
-def _is_norm_weight(name: str, param: torch.Tensor) -> bool:
-    module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-    return param.dim() == 1 and "norm" in module
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, *, seed: int, round_to: torch.dtype | None = None,
-                 parameters: Iterable[tuple[str, nn.Parameter]] | None = None) -> None:
-    """Deterministic init: for each parameter in sorted name order, normal(0, 0.02) from a generator
-    seeded by (seed, name) (norm weights ones, other 1-D parameters zeros).
-
-    Values are drawn in fp32 on the parameter's device, optionally rounded through ``round_to``
-    (an fp32 reference built with ``round_to=torch.bfloat16`` holds exactly the bf16 model's
-    weights), then cast to the parameter's dtype. Sharded (DTensor) parameters receive their
-    local block of the full tensor, so sharded and unsharded models get the same weights.
-    ``parameters``: (name, parameter) pairs to draw instead of all of ``model``'s (e.g. LoRA adapters
-    added after the weights).
-    """
-    for name, param in sorted(model.named_parameters() if parameters is None else parameters, key=lambda np: np[0]):
-        local = param.to_local() if hasattr(param, "to_local") else param
-        device = local.device
-        if _is_norm_weight(name, param):
-            full = torch.ones(param.shape, dtype=torch.float32, device=device)
-        elif param.dim() == 1:
-            full = torch.zeros(param.shape, dtype=torch.float32, device=device)
-        else:
-            full = _draw(seed, name, param.shape, device)
-        if round_to is not None:
-            full = full.to(round_to).float()
-        full = full.to(param.dtype)
-        if local is param:
-            param.copy_(full)
-        else:
-            local.copy_(_local_block(full, param))
-        del full
-
-
-@torch.no_grad()
-def sharded_weights_match(model: nn.Module, *, seed: int) -> bool:
-    """Whether every sharded (DTensor) parameter gathers back to exactly what ``init_weights`` drew
-    (a check of ``_local_block`` on placements such as FSDP2-over-EP's ``_StridedShard``)."""
-    for name, param in sorted(model.named_parameters()):
-        if not hasattr(param, "full_tensor") or _is_norm_weight(name, param) or param.dim() == 1:
-            continue
-        full = _draw(seed, name, param.shape, param.to_local().device)
-        if not torch.equal(param.full_tensor(), full.to(param.dtype)):
-            return False
-    return True
-
-
-def _local_block(full: torch.Tensor, param: Any) -> torch.Tensor:
-    """This rank's block of a DTensor parameter, cut locally from the full tensor (every rank drew
-    the same values, so no communication is needed)."""
-    from torch.distributed.tensor import distribute_tensor
-
-    try:
-        sharded = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    except TypeError:  # torch without src_data_rank: scatter from rank 0 (same values anyway)
-        sharded = distribute_tensor(full, param.device_mesh, param.placements)
-    return sharded.to_local()
 
 
 # Transformers' router class of each family, patched for the balanced gate (module, class name).
@@ -269,10 +197,8 @@ def build_hf(
         "requested_experts_implementation": requested,
     }
     if lora is not None:  # before FSDP2, which shards only the parameters that exist when it runs
-        from moetune.bench.lora import adapt_with_peft
-
-        model, lora_notes = adapt_with_peft(model, lora, seed=seed)
-        notes.update(lora_notes)
+        model, peft_notes = adapt_with_peft(model, lora, seed=seed)
+        notes.update(peft_notes)
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -380,15 +306,11 @@ def build_moetune(
                                                num_ranks=options.get("ep_size", world_size))  # fmt: skip
         set_moe_options(model, balanced_gate=balanced_gate)
     if lora is not None and world_size > 1:
-        from moetune.bench.lora import lora_notes
-
         notes.update(lora_notes(model, "moetune.lora through from_config(lora=...), between expert parallelism and FSDP2"))
     elif lora is not None:
-        from moetune.bench.lora import adapt_with_moetune_lora, adapt_with_peft
-
         if lora_with_peft:
-            model, lora_notes = adapt_with_peft(model, lora, seed=seed)
-            notes.update(lora_notes)
+            model, peft_notes = adapt_with_peft(model, lora, seed=seed)
+            notes.update(peft_notes)
         else:
             notes.update(adapt_with_moetune_lora(model, lora, seed=seed))
     if compile_layers:

@@ -13,7 +13,7 @@ Two kernels, both with the group boundaries on the device (no host sync, CUDA-gr
 
 Why: torch's ``_grouped_mm`` (CUTLASS) runs these shapes (128 experts of ~256 rows, H 2048, I 768)
 at ~440 TFLOP/s on an H200 while dense GEMMs reach 700-800, and the dispatch gather is a separate
-bandwidth-bound pass; ``benchmarks/grouped_gemm_probe.py`` measures both against this file.
+bandwidth-bound pass; ``benchmarks/probes/grouped_gemm_probe.py`` measures both against this file.
 
 How the ragged M tiles find their expert: each program loads the E group ends (one small vector),
 counts the M tiles of every group (``cdiv(count, BLOCK_M)``), takes their running sum and finds its
@@ -59,7 +59,7 @@ def grouped_weight_grad_reference(
 
 
 # Launch settings (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); measured on an H200 by
-# benchmarks/grouped_gemm_probe.py. Overridable for the probe through ``config=``.
+# benchmarks/probes/grouped_gemm_probe.py. Overridable for the probe through ``config=``.
 ROWS_CONFIG = (128, 128, 64, 8, 4)
 WEIGHT_GRAD_CONFIG = (128, 128, 64, 8, 4)
 

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOut
 
 from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout, save_hf_checkpoint
 from moetune.checkpoint.loader import load_per_expert_tensors
-from moetune.layers import linear_cross_entropy, shift_labels_for_causal_lm
+from moetune.layers import lm_head_cross_entropy, shift_labels_for_causal_lm
 from moetune.layers.document_attention import OFFSETS_KEY
 from moetune.moe import (
     ROUTERS,
@@ -347,9 +347,9 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
                     logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
                 )
             else:
-                loss = linear_cross_entropy(
+                loss = lm_head_cross_entropy(
+                    self.lm_head,
                     hidden_BSH.reshape(-1, hidden_BSH.shape[-1]),
-                    self.lm_head.weight,
                     targets_BS.reshape(-1).to(hidden_BSH.device),
                     num_items_in_batch=num_items_in_batch,
                 )

@@ -179,7 +179,8 @@ def uses_cuda_graph(config: JobConfig, runtime: Runtime, *, takes_offsets: bool)
     """Whether the steps replay CUDA graphs: ``training.cuda_graph`` "true" (checked elsewhere), or
     "auto" for LoRA in one CUDA process with packed rows into a model that takes the offsets (the
     eager LoRA step waits for the host: 42,725 against 79,661 tokens/s graphed on one H200, Qwen3
-    shapes, 8 layers; benchmarks/results/session18)."""
+    shapes, 8 layers;
+    benchmarks/results/h200_20261201_fc9e582/recipe_lora_qwen3-30b-a3b-8l_1gpu_20261201T065411Z.json)."""
     setting = config.training.cuda_graph
     if setting != "auto":
         return setting == "true"
