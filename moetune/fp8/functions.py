@@ -24,6 +24,8 @@ Shape legend: T tokens, N routed rows sorted by expert, K in-features, O out-fea
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moetune.fp8.gemm import rows_mm, weight_grad
@@ -39,6 +41,18 @@ def quantize_weight(w_EOK: torch.Tensor, settings: Fp8Settings) -> tuple[torch.T
     if settings.blockwise:
         return quantize_blocks(w_EOK, impl=settings.impl)
     return quantize_rows(w_EOK, impl=settings.impl)
+
+
+def _without_autocast(function):
+    """The GEMMs here pick their own precisions: autocast must not recast the reference's fp32
+    matmuls (the callers cast the activations as autocast would, once, before)."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        with torch.autocast("cuda", enabled=False), torch.autocast("cpu", enabled=False):
+            return function(*args, **kwargs)
+
+    return wrapper
 
 
 def _check_device(*tensors: torch.Tensor, settings: Fp8Settings) -> None:
@@ -58,6 +72,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
     rows past ``offsets_E[-1]`` are padding (their outputs undefined, their gradients skipped)."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, x, w_EOK, order_N, offsets_E, top_k: int, settings: Fp8Settings):
         _check_device(x, w_EOK, settings=settings)
         q, scale = quantize_rows(x, block=settings.block, impl=settings.impl)
@@ -72,6 +87,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, dy_NO):
         x, x_q, x_scale, w_EOK, order_N, offsets_E = ctx.saved_tensors
         settings = ctx.settings
@@ -97,6 +113,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     """``x_TK @ w_OK^T`` in FP8 (no bias: added outside, where autograd sums its gradient)."""
 
     @staticmethod
+    @_without_autocast
     def forward(ctx, x_TK, w_OK, settings: Fp8Settings):
         _check_device(x_TK, w_OK, settings=settings)
         q, scale = quantize_rows(x_TK, block=settings.block, impl=settings.impl)
@@ -107,6 +124,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @_without_autocast
     def backward(ctx, dy_TO):
         x_TK, w_OK = ctx.saved_tensors
         settings = ctx.settings

@@ -43,14 +43,16 @@ def rows_mm(
     all rows, then ``b`` is [1, C, K]). Scales as ``fp8_rows_mm`` takes them. ``fast_accum``: Hopper's
     fast FP8 accumulation in cuBLAS / CUTLASS (their rowwise forward GEMMs only)."""
     dense = offsets_E is None
-    if settings.backend == "auto" and a_NK.is_cuda and out_dtype == torch.bfloat16:
-        if dense:
-            return _cublas_mm(a_NK, a_scale, b_ECK[0], b_scale[0], blockwise=settings.blockwise, fast_accum=fast_accum)
+    if settings.backend == "auto" and a_NK.is_cuda:
+        # torch's FP8 GEMMs write bf16 (fp32 results, for fp32 weights' gradients, are cast from it).
+        if dense and _cublas_takes(settings, *b_ECK.shape[1:]):
+            out = _cublas_mm(a_NK, a_scale, b_ECK[0], b_scale[0], blockwise=settings.blockwise, fast_accum=fast_accum)
+            return out.to(out_dtype)
         if not settings.blockwise and _torch_grouped_applies(a_NK):
             return _scaled_grouped_mm(
                 a_NK, b_ECK.transpose(-2, -1), a_scale.reshape(-1), b_scale.reshape(b_ECK.shape[0], -1),
-                offs=offsets_E, out_dtype=out_dtype, use_fast_accum=fast_accum,
-            )  # fmt: skip
+                offs=offsets_E, out_dtype=torch.bfloat16, use_fast_accum=fast_accum,
+            ).to(out_dtype)  # fmt: skip
     if dense:
         offsets_E = torch.full((1,), a_NK.shape[0], dtype=torch.int32, device=a_NK.device)
     return fp8_rows_mm(a_NK, a_scale, b_ECK, b_scale, offsets_E, blockwise=settings.blockwise, out_dtype=out_dtype,
@@ -64,17 +66,23 @@ def weight_grad(
 ) -> torch.Tensor:  # fmt: skip
     """[E, M, C]: group e's token columns of ``p`` and ``q`` contracted (``quantize_columns``' layout;
     ``num_rows`` the rows it quantised, which bounds a single group's columns without a host sync)."""
-    if settings.backend == "auto" and p_MN.is_cuda and out_dtype == torch.bfloat16:
-        if dense:
-            width = -(-num_rows // GROUP_ALIGN) * GROUP_ALIGN  # one group's padded end, known on the host
+    if settings.backend == "auto" and p_MN.is_cuda:
+        width = -(-num_rows // GROUP_ALIGN) * GROUP_ALIGN  # one group's padded end, known on the host
+        if dense and _cublas_takes(settings, p_MN.shape[0], q_CN.shape[0], width):
             out = _cublas_weight_grad(p_MN[:, :width], p_scale, q_CN[:, :width], q_scale, blockwise=settings.blockwise)
-            return out.unsqueeze(0)
+            return out.unsqueeze(0).to(out_dtype)
         if not settings.blockwise and _torch_grouped_applies(p_MN):
             return _scaled_grouped_mm(
-                p_MN, q_CN.t(), p_scale.reshape(-1), q_scale.reshape(-1), offs=padded_offsets_E, out_dtype=out_dtype
-            )
+                p_MN, q_CN.t(), p_scale.reshape(-1), q_scale.reshape(-1), offs=padded_offsets_E, out_dtype=torch.bfloat16
+            ).to(out_dtype)
     return fp8_weight_grad(p_MN, p_scale, q_CN, q_scale, padded_offsets_E, block_starts_E, blockwise=settings.blockwise,
                            out_dtype=out_dtype, impl=_impl(settings))  # fmt: skip
+
+
+def _cublas_takes(settings: Fp8Settings, *widths: int) -> bool:
+    """cuBLAS's block-scaled FP8 GEMM is used on whole 128-blocks only (the Triton kernel masks
+    partial ones); its rowwise GEMM takes any multiple of 16."""
+    return not settings.blockwise or all(w % 128 == 0 for w in widths)
 
 
 def _cublas_mm(a_MK, a_scale, b_NK, b_scale, *, blockwise: bool, fast_accum: bool) -> torch.Tensor:

@@ -13,6 +13,7 @@ from torch import nn
 
 from moetune.fp8.functions import fp8_linear
 from moetune.fp8.settings import Fp8Settings
+from moetune.utils.autocast import cuda_autocast_dtype
 
 ALIGN = 16
 """FP8 tensor-core GEMMs need widths that are multiples of 16 (16 bytes of e4m3)."""
@@ -24,9 +25,15 @@ class Fp8Linear(nn.Linear):
     fp8: Fp8Settings
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if input.dtype != self.weight.dtype:  # e.g. under autocast: left to torch
-            return F.linear(input, self.weight, self.bias)
-        return fp8_linear(input, self.weight, self.bias, settings=self.fp8)
+        compute_dtype = cuda_autocast_dtype(input)
+        if compute_dtype is not None:
+            # What autocast does to F.linear: the activations in its dtype (fp32 master weights are
+            # quantised straight from fp32; their gradient comes back in fp32).
+            input = input.to(compute_dtype)
+        elif input.dtype != self.weight.dtype:
+            return F.linear(input, self.weight, self.bias)  # mixed dtypes without autocast: torch's error
+        bias = self.bias if self.bias is None or compute_dtype is None else self.bias.to(compute_dtype)
+        return fp8_linear(input, self.weight, bias, settings=self.fp8)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8={self.fp8.recipe}"

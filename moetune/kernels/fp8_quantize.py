@@ -280,6 +280,20 @@ def _launch_settings(block_r: int, block_c: int) -> int:
     return 8 if block_r * block_c >= 8192 else 4
 
 
+def _rows_tile(x_BRC: torch.Tensor, block: int | None) -> tuple[int, int]:
+    """(rows, columns) per program of ``_quantize_rows_kernel``. Contiguous rows up to 8192 wide are
+    held whole (one read: the rowwise kernel's two passes then run over registers' worth of data, the
+    second from L1/L2); a transposed view (columns strided, rows contiguous) goes in 64 x 64 tiles, so
+    that each load is 64 contiguous values per column."""
+    num_cols = x_BRC.shape[-1]
+    if block is not None:
+        return (64 if x_BRC.stride(-1) != 1 else 32), block
+    if x_BRC.stride(-1) != 1 and x_BRC.stride(-2) == 1:
+        return 64, 64
+    block_c = min(next_pow2(num_cols), 8192)
+    return max(1, min(64, 8192 // block_c)), block_c
+
+
 def quantize_rows(x: torch.Tensor, *, block: int | None = None, impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, contiguous and shaped like ``x``; fp32 scales [..., R, ceil(C / block)], 1 column
     for ``block=None``). ``x`` [R, C] or [B, R, C], any strides; ``x == q * scale`` up to e4m3 rounding."""
@@ -293,8 +307,7 @@ def quantize_rows(x: torch.Tensor, *, block: int | None = None, impl: Impl = "au
     q = torch.empty((B, R, C), dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty((B, R, num_blocks), dtype=torch.float32, device=x.device)
     if q.numel():
-        block_c = min(next_pow2(C), 256) if block is None else block
-        block_r = max(1, min(64, 8192 // block_c))
+        block_r, block_c = _rows_tile(x_BRC, block)
         with device_of(x):
             _quantize_rows_kernel[(B * triton.cdiv(R, block_r),)](
                 x_BRC, q, scale, R, C, num_blocks, x_BRC.stride(0), x_BRC.stride(1), x_BRC.stride(2),
