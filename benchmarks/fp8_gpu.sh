@@ -11,14 +11,14 @@
 #                bf16 weights, CUDA-graph steps, loss logged every 10 steps; curves side by side
 #   5. probe     benchmarks/fp8_probe.py: one MoE layer's experts and a dense linear at Qwen3 shapes,
 #                bf16 against each FP8 setting, then each FP8 piece (quantisers, GEMMs) alone
-# Logs and results go to $OUT/r and are packed into $OUT/fp8_results.tar.gz; $OUT/summary.txt has
+# Logs and results go to $R ($OUT/r) and are packed into $OUT/fp8_results.tar.gz; $OUT/summary.txt has
 # each stage's tail. BUDGET (seconds, default 330): no stage starts after it, each is cut to what is left.
 #
 #   OUT=/some/dir bash benchmarks/fp8_gpu.sh
 set -u
 OUT=${OUT:-benchmarks/results/fp8_local}
-R=$OUT/r
-mkdir -p "$R"
+R=${R:-$OUT/r}  # the logs and results, packed at the end (R outside OUT returns only the archive)
+mkdir -p "$OUT" "$R"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 BUDGET=${BUDGET:-330}
 START=$(date +%s)
@@ -56,5 +56,6 @@ fi
 python3 benchmarks/fp8_loss_curves.py bf16="$R/ft_bf16/metrics.jsonl" fp8="$R/ft_fp8/metrics.jsonl" \
   --out "$R/loss_curves.png" 2>&1 | tee -a "$OUT/summary.txt"
 TAIL=40 stage probe 45 python3 benchmarks/fp8_probe.py --out "$R/probe.jsonl"
-tar czf "$OUT/fp8_results.tar.gz" --exclude='*.safetensors' --exclude='final' --exclude='checkpoints' -C "$OUT" r
+tar czf "$OUT/fp8_results.tar.gz" --exclude='*.safetensors' --exclude='final' --exclude='checkpoints' \
+  -C "$(dirname "$R")" "$(basename "$R")"
 log "done"
