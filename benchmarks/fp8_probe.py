@@ -46,7 +46,7 @@ def main() -> None:
     w_in = (torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, device=dev) * 0.02).to(bf16).requires_grad_()
     w_down = (torch.randn(EXPERTS, HIDDEN, WIDTH, device=dev) * 0.02).to(bf16).requires_grad_()
     dy = torch.randn(TOKENS * TOP_K, HIDDEN, device=dev, dtype=bf16)
-    activate = lambda h, num_valid=None: gated_activation(h, F.silu, swiglu_kernel=True, num_valid=num_valid)  # noqa: E731
+    activate = lambda h, num_valid=None: gated_activation(h, F.silu, swiglu_kernel=True, num_valid=num_valid)
     flops = 3 * 2 * TOKENS * TOP_K * HIDDEN * 3 * WIDTH
     results = []
 
@@ -74,7 +74,7 @@ def main() -> None:
         try:
             record("experts fwd+bwd", name, _ms(experts(settings)), flops)
             record("dense 4096x2048->4096 fwd+bwd", name,
-                   _ms(lambda: fp8_linear(x, w_dense, None, settings=settings).backward(dy_dense)), dense_flops)  # fmt: skip
+                   _ms(lambda s=settings: fp8_linear(x, w_dense, None, settings=s).backward(dy_dense)), dense_flops)  # fmt: skip
             _pieces(name, settings, x.detach(), w_in.detach(), dy[:, : 2 * WIDTH].contiguous(), order_N, offsets_E, record)
         except Exception as error:  # noqa: BLE001 -- the other settings still measure
             print(json.dumps({"setting": name, "error": f"{type(error).__name__}: {error}"[:500]}), flush=True)

@@ -92,7 +92,7 @@ def _cublas_mm(a_MK, a_scale, b_NK, b_scale, *, blockwise: bool, fast_accum: boo
         return torch._scaled_mm(a_MK, b_NK.t(), scale_a=a_scale, scale_b=b_scale.reshape(1, -1),
                                 out_dtype=torch.bfloat16, use_fast_accum=fast_accum)  # fmt: skip
     scale_a = a_scale.t().contiguous().t()
-    num_n, num_k = b_scale.shape
+    num_k = b_scale.shape[1]
     padded = F.pad(b_scale, (0, -(-num_k // 4) * 4 - num_k))  # [N/128, K/128 rounded up to 4]
     scale_b = padded[:, :num_k].t()  # [K/128, N/128], stride (1, multiple of 4)
     return torch._scaled_mm(a_MK, b_NK.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)

@@ -28,7 +28,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton
+from moetune.kernels._triton_utils import (
+    HAS_TRITON,
+    Impl,
+    device_of,
+    next_pow2,
+    tl,
+    triton,
+    use_triton,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -362,8 +370,8 @@ def quantize_columns(
         return q_CN, scale, padded_E
     block_c = 64
     grid = (num_blocks, triton.cdiv(num_cols, block_c))
-    common = dict(E=num_groups, E_POW2=next_pow2(num_groups), FP8_MAX=FP8_MAX, MIN_AMAX=_MIN_AMAX, BLOCK=BLOCK,
-                  BLOCK_C=block_c, num_warps=8)  # fmt: skip
+    common = {"E": num_groups, "E_POW2": next_pow2(num_groups), "FP8_MAX": FP8_MAX, "MIN_AMAX": _MIN_AMAX,
+              "BLOCK": BLOCK, "BLOCK_C": block_c, "num_warps": 8}  # fmt: skip
     args = (offsets_E, padded_E, block_starts_E, num_cols, num_padded, x_NC.stride(0), x_NC.stride(1))
     with device_of(x_NC):
         if block is None:

@@ -17,8 +17,18 @@ from moetune.layers.activation_checkpointing import enable_activation_checkpoint
 from moetune.lora import LoraSettings
 from moetune.models.fp8 import enable_fp8, fp8_layers
 from moetune.moe import ROUTERS, GroupedExperts
-from tests.conftest import quantize_fp8_checkpoint, save_per_expert_checkpoint, tiny_qwen3_moe_config
-from tests.fp8.helpers import FAMILIES, bf16_and_fp8_models, family_config, token_batches, train_losses
+from tests.conftest import (
+    quantize_fp8_checkpoint,
+    save_per_expert_checkpoint,
+    tiny_qwen3_moe_config,
+)
+from tests.fp8.helpers import (
+    FAMILIES,
+    bf16_and_fp8_models,
+    family_config,
+    token_batches,
+    train_losses,
+)
 
 REFERENCE = {"fp8_backend": "reference"}
 
@@ -31,6 +41,16 @@ def test_fp8_without_fp8_hardware_is_refused_naming_the_reference(tmp_path):
     moetune.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="fp8_backend='reference'"):
         moetune.AutoModelForCausalLM.from_pretrained(tmp_path, fp8="rowwise")
+
+
+def test_fp8_kernels_refuse_cpu_tensors_at_run_time_naming_the_reference():
+    """A model switched to the GPU kernels (or moved off the GPU) stops at its first FP8 layer."""
+    _, model = bf16_and_fp8_models("qwen3_moe", Fp8Settings("rowwise", "auto"))
+    ids = token_batches(model.config.vocab_size, 1)[0]
+    with pytest.raises(ValueError, match="the tensors are on cpu.*fp8_backend='reference'"):
+        model(input_ids=ids, labels=ids)
+    enable_fp8(model, Fp8Settings("rowwise", "reference"))
+    assert torch.isfinite(model(input_ids=ids, labels=ids).loss)
 
 
 @pytest.mark.parametrize(
