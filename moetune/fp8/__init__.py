@@ -6,13 +6,7 @@ See README.md in this folder for the recipes, the kernels each backend runs and 
 
 from moetune.fp8.functions import fp8_grouped_linear, fp8_linear
 from moetune.fp8.linear import Fp8Linear
-from moetune.fp8.settings import (
-    FP8_BACKENDS,
-    FP8_RECIPES,
-    Fp8Settings,
-    check_fp8_hardware,
-    fp8_settings,
-)
+from moetune.fp8.settings import FP8_BACKENDS, FP8_RECIPES, Fp8Settings, check_fp8_hardware, fp8_settings
 
 __all__ = [
     "FP8_BACKENDS",

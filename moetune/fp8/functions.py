@@ -31,13 +31,7 @@ import torch
 from moetune.fp8.gemm import rows_mm, weight_grad
 from moetune.fp8.settings import Fp8Settings, check_fp8_hardware
 from moetune.kernels.fp8_grouped_gemm import _dequantize_along
-from moetune.kernels.fp8_quantize import (
-    FP8_DTYPE,
-    column_layout,
-    quantize_blocks,
-    quantize_columns,
-    quantize_rows,
-)
+from moetune.kernels.fp8_quantize import FP8_DTYPE, column_layout, quantize_blocks, quantize_columns, quantize_rows
 from moetune.kernels.permute import permute_rows, permute_rows_backward
 
 

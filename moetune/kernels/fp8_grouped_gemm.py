@@ -28,15 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from moetune.kernels._triton_utils import (
-    HAS_TRITON,
-    Impl,
-    device_of,
-    next_pow2,
-    tl,
-    triton,
-    use_triton,
-)
+from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton
 from moetune.kernels.fp8_quantize import BLOCK
 
 if HAS_TRITON:

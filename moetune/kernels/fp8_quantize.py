@@ -28,15 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moetune.kernels._triton_utils import (
-    HAS_TRITON,
-    Impl,
-    device_of,
-    next_pow2,
-    tl,
-    triton,
-    use_triton,
-)
+from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0

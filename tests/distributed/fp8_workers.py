@@ -3,13 +3,7 @@
 from __future__ import annotations
 
 from moetune.models.fp8 import fp8_layers
-from tests.distributed.helpers import (
-    distributed_loss,
-    gathered,
-    global_loss_value,
-    reference_loss,
-    rel_err,
-)
+from tests.distributed.helpers import distributed_loss, gathered, global_loss_value, reference_loss, rel_err
 from tests.distributed.workers import ALLGATHER_REPLICATE, _load
 
 VOCAB = 64

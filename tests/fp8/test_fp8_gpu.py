@@ -16,23 +16,11 @@ from moetune.fp8 import Fp8Settings, fp8_grouped_linear, fp8_linear
 from moetune.fp8.gemm import rows_mm, weight_grad
 from moetune.fp8.settings import fp8_hardware_problem
 from moetune.kernels.fp8_grouped_gemm import fp8_rows_mm, fp8_weight_grad
-from moetune.kernels.fp8_quantize import (
-    column_layout,
-    quantize_blocks,
-    quantize_columns,
-    quantize_rows,
-)
+from moetune.kernels.fp8_quantize import column_layout, quantize_blocks, quantize_columns, quantize_rows
 from moetune.optim import AdamW
 from moetune.training import CUDAGraphTrainStep
 from tests.conftest import rel_err
-from tests.fp8.helpers import (
-    FAMILIES,
-    bf16_and_fp8_models,
-    routed_rows,
-    token_batches,
-    train_losses,
-    wide_range,
-)
+from tests.fp8.helpers import FAMILIES, bf16_and_fp8_models, routed_rows, token_batches, train_losses, wide_range
 
 pytestmark = [
     pytest.mark.gpu,

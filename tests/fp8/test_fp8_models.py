@@ -17,18 +17,8 @@ from moetune.layers.activation_checkpointing import enable_activation_checkpoint
 from moetune.lora import LoraSettings
 from moetune.models.fp8 import enable_fp8, fp8_layers
 from moetune.moe import ROUTERS, GroupedExperts
-from tests.conftest import (
-    quantize_fp8_checkpoint,
-    save_per_expert_checkpoint,
-    tiny_qwen3_moe_config,
-)
-from tests.fp8.helpers import (
-    FAMILIES,
-    bf16_and_fp8_models,
-    family_config,
-    token_batches,
-    train_losses,
-)
+from tests.conftest import quantize_fp8_checkpoint, save_per_expert_checkpoint, tiny_qwen3_moe_config
+from tests.fp8.helpers import FAMILIES, bf16_and_fp8_models, family_config, token_batches, train_losses
 
 REFERENCE = {"fp8_backend": "reference"}
 

@@ -7,12 +7,7 @@ import pytest
 import torch
 
 from moetune.kernels import fp8_grouped_gemm
-from moetune.kernels.fp8_quantize import (
-    column_layout,
-    quantize_blocks,
-    quantize_columns,
-    quantize_rows,
-)
+from moetune.kernels.fp8_quantize import column_layout, quantize_blocks, quantize_columns, quantize_rows
 from tests.conftest import rel_err
 from tests.fp8.helpers import wide_range
 
