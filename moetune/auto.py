@@ -39,7 +39,9 @@ from moetune.loading_kwargs import (
     pop_loading_arguments,
     unexpected_from_config_arguments,
 )
+from moetune.fp8.settings import check_fp8_hardware
 from moetune.models import ModelFamily, family_for, set_moe_options
+from moetune.models.fp8 import enable_fp8
 from moetune.models.options import check_experts_backend
 from moetune.options import MoetuneOptions
 from moetune.utils.materialize import materialize
@@ -62,6 +64,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             return _with_fallback_experts_backend(
                 transformers.AutoModelForCausalLM.from_config(config, **kwargs), options.experts_backend
             )
+        check_fp8_hardware(options.fp8_settings)
         arguments = pop_loading_arguments(kwargs, FROM_CONFIG_ARGUMENTS)
         if kwargs:
             raise unexpected_from_config_arguments(list(kwargs), config)
@@ -78,6 +81,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
                 building.enter_context(torch.device("meta"))
             model = family.causal_lm._from_config(config, **build)
         set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
+        enable_fp8(model, options.fp8_settings)
         if options.distributed:
             return parallelize_for_options(model, options, init_weights=True)
         return _with_lora(model, options)
@@ -121,6 +125,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         if model_args:
             raise TypeError(f"{family.causal_lm.__name__} takes no positional model arguments, got {model_args!r}")
         loading.check_for_moetune(config.model_type)  # refuses what moetune cannot honour, before any weight is read
+        check_fp8_hardware(options.fp8_settings)
         experts_backend = experts_backend_for(loading["experts_implementation"], options.experts_backend, config.model_type)
         attn_implementation = loading["attn_implementation"] or _attention_for(config, family)
         if loading["fusion_config"] is not None:
@@ -167,6 +172,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
                 stacklevel=2,
             )
         set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
+        enable_fp8(model, options.fp8_settings)
         if options.distributed:
             model = parallelize_for_options(model, options, init_weights=False)
         else:
@@ -501,6 +507,11 @@ def _check_fallback_options(config: PretrainedConfig, options: MoetuneOptions) -
     if options.balanced_gate or options.lora is not None:
         raise ValueError(
             f"balanced_gate / lora apply to moetune's MoE models (use moetune.lora.apply_lora), not {getattr(config, 'model_type', '?')!r}"
+        )
+    if options.fp8 is not None:
+        raise ValueError(
+            f"fp8={options.fp8!r} trains moetune's architectures (Qwen3-MoE, DeepSeek-V3 / Kimi-K2, GPT-OSS, Nemotron-H) in "
+            f"FP8; {getattr(config, 'model_type', '?')!r} loads through Transformers' class, which moetune does not convert"
         )
     if options.experts_backend != "auto":
         check_experts_backend(options.experts_backend)

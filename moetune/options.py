@@ -77,6 +77,17 @@ class MoetuneOptions:
     updates and keeps AdamW states for 1 / world of them, and the LM head's dense gradient is never
     all-reduced; the step's hidden states travel instead (``moetune.distributed.vocab_parallel``)."""
 
+    fp8: str | None = None
+    """FP8 (e4m3) training of the decoder's linear layers and experts (``moetune.fp8``): 'rowwise'
+    (one scale per token / per channel) or 'blockwise' (DeepSeek-V3's 1 x 128 activation slices and
+    128 x 128 weight tiles). Weights stay in their dtype (bf16 master weights, the same checkpoint);
+    the router, norms, softmax, LM head and loss keep their precision. Needs a GPU with FP8 tensor
+    cores (sm89+) unless ``fp8_backend='reference'``. None: no FP8."""
+    fp8_backend: str = "auto"
+    """With ``fp8``: 'auto' (torch's cuBLAS / CUTLASS FP8 GEMMs where torch has them, moetune's Triton
+    GEMMs elsewhere), 'triton' (moetune's Triton GEMMs everywhere) or 'reference' (the plain-PyTorch
+    reference, dequantised operands multiplied in fp32: any device, CPU included; for tests)."""
+
     global_aux_loss: bool = False
     """With ``ep_size`` / ``device_mesh``: the MoE load-balancing loss over all ranks' tokens, as one
     process on the whole batch computes it (the router's tokens and probabilities summed over the
@@ -106,12 +117,22 @@ class MoetuneOptions:
         if self.dense_parallel not in DENSE_PARALLEL:
             raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {self.dense_parallel!r}")
         check_vocab_parallel_option(self.vocab_parallel, dense_parallel=self.dense_parallel)
+        from moetune.fp8.settings import fp8_settings
+
+        fp8_settings(self.fp8, self.fp8_backend)  # a ValueError / TypeError naming the field
         if not isinstance(self.global_aux_loss, bool):
             raise ValueError(f"global_aux_loss must be True or False, got {self.global_aux_loss!r}")
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> MoetuneOptions:
         return cls(**{f.name: kwargs.pop(f.name) for f in fields(cls) if f.name in kwargs})
+
+    @property
+    def fp8_settings(self):
+        """``moetune.fp8.Fp8Settings`` for ``fp8`` / ``fp8_backend``, or None."""
+        from moetune.fp8.settings import fp8_settings
+
+        return fp8_settings(self.fp8, self.fp8_backend)
 
     @property
     def distributed(self) -> bool:

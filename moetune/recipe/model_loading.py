@@ -85,6 +85,8 @@ def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: t
         kwargs["attn_implementation"] = config.attn_implementation
     if config.experts_backend != "auto":  # MoE models only: from_pretrained refuses it for others by name
         kwargs["experts_backend"] = config.experts_backend
+    if config.fp8:  # moetune's architectures only: refused for others, and where no FP8 kernel runs
+        kwargs.update(fp8=config.fp8, fp8_backend=config.fp8_backend)
     if config.pretrained_path:
         placement = sharding if sharding else {"device_map": str(device)}
         model = AutoModelForCausalLM.from_pretrained(config.pretrained_path, config=model_config,
