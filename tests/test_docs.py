@@ -209,7 +209,7 @@ def test_the_readme_keeps_the_two_commands_ci_runs():
 
 def test_dotted_config_fields_named_in_the_prose_exist():
     keys = set(all_keys())
-    field = rf"((?:{'|'.join(CONFIG_SECTIONS)})\.(?!(?:py|jsonl|json|yaml|md|png|txt|log)\b)[a-z_]+)"
+    field = rf"((?:{'|'.join(CONFIG_SECTIONS)})\.(?!(?:py|jsonl|json|yaml|md|png|txt|log)\b)[a-z_][a-z0-9_]*)"
     spans, commands = [], []
     for path in GUIDES:
         text = path.read_text()
