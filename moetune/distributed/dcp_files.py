@@ -29,6 +29,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from moetune.utils.file_errors import naming_file
+
 METADATA_NAME = ".metadata"
 
 
@@ -69,14 +71,9 @@ class NamingFileSystem(FileSystem):
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
         try:
-            with super().create_stream(path, mode) as stream:
+            with naming_file(path), super().create_stream(path, mode) as stream:
                 yield stream
-        except OSError as err:
-            raise _with_filename(err, path) from err
         except (RuntimeError, pickle.UnpicklingError, EOFError) as err:
-            cause = _os_error_in(err)  # torch.save's "unexpected pos" hides the write's OSError
-            if cause is not None:
-                raise _with_filename(cause, path) from err
             if "r" in mode:
                 raise CheckpointFileError(f"{path} cannot be read ({type(err).__name__}: {err}); the file is damaged "
                                           "or truncated") from err
@@ -233,21 +230,3 @@ def _failures(err: CheckpointException) -> str:
         if message not in messages:
             messages.append(message)
     return "; ".join(messages) or str(err)
-
-
-def _os_error_in(err: BaseException) -> OSError | None:
-    """The OSError an exception was raised from or while handling, if any."""
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        if isinstance(current, OSError):
-            return current
-        seen.add(id(current))
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def _with_filename(err: OSError, path: str | os.PathLike) -> OSError:
-    if err.filename is not None:
-        return err
-    return type(err)(err.errno, err.strerror or str(err), str(path)) if err.errno else OSError(f"{err} ({path})")

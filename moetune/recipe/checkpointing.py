@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from moetune.distributed.dcp_files import CheckpointFileError, check_dcp_folder, load_dcp, save_dcp
 from moetune.lora import LoraSettings
 from moetune.recipe.distributed_setup import Runtime, all_reduce_sum, barrier
+from moetune.utils.file_errors import naming_file, os_error_in
 from moetune.utils.json_files import read_json
 
 STATE_FILE = "train_state.json"
@@ -86,11 +87,12 @@ def save_checkpoint(*, output_dir: str, state: TrainState, model: torch.nn.Modul
             save_dcp({"model": model_sd, "optim": optim_sd}, tmp / "state")
         # Through a Python file: its OSError (ENOSPC) survives, where torch's own file writer loses it.
         rng_path = tmp / f"rng_rank{runtime.rank}.pt"
-        with rng_path.open("wb") as file:
+        with naming_file(rng_path), rng_path.open("wb") as file:
             torch.save({**_rng_state(), "tensors": {k: v.cpu() for k, v in (rank_tensors or {}).items()}}, file)
 
     def finish() -> None:
-        (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1))
+        with naming_file(tmp / STATE_FILE):
+            (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1))
 
     _written_on_every_rank(prepare, runtime, tmp, output_dir, only_main=True)
     _written_on_every_rank(write_shards, runtime, tmp, output_dir)
@@ -129,7 +131,7 @@ def _written_on_every_rank(write: Callable[[], None], runtime: Runtime, tmp: Pat
 
 def _write_failure(error: BaseException, tmp: Path) -> str:
     """What went wrong, in words: "no space left on device while writing <file>" for a full disk."""
-    cause = error if isinstance(error, OSError) else (error.__cause__ or error.__context__)
+    cause = os_error_in(error)
     where = getattr(cause, "filename", None) or tmp
     if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
         return f"no space left on device while writing {where}"
