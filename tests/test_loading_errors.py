@@ -163,12 +163,12 @@ def test_a_file_truncated_after_it_was_listed_is_named_where_it_is_read(checkpoi
 def test_a_config_or_index_that_is_not_json_names_the_file_line_and_column(reference_qwen3_moe, checkpoint, tmp_path):
     config = checkpoint / "config.json"
     config.write_text(config.read_text().replace(",", "", 1))
-    with pytest.raises(ValueError, match=rf"{config} is not valid JSON: Expecting ',' delimiter at line \d+, column \d+"):
+    with pytest.raises(ValueError, match=rf"{config} is not valid JSON: Expecting ',' delimiter \(line \d+, column \d+\)"):
         moetune.AutoModelForCausalLM.from_pretrained(checkpoint)
     folder = save_per_expert_checkpoint(reference_qwen3_moe(), tmp_path / "s", max_tensors_per_shard=10)
     index = folder / "model.safetensors.index.json"
     index.write_text(index.read_text()[:-2])
-    with pytest.raises(ValueError, match=rf"{index} is not valid JSON: .* at line 1, column \d+"):
+    with pytest.raises(ValueError, match=rf"{index} is not valid JSON: .* \(line 1, column \d+\)"):
         moetune.AutoModelForCausalLM.from_pretrained(folder)
 
 

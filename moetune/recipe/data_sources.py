@@ -65,7 +65,7 @@ class ReadStats:
         """How to keep the samples that were dropped (for the error when none is left)."""
         hints = []
         if self.answers_cut:
-            hints.append(f"raise data.max_length above {self.first_cut_answer + 1} (to keep some answer tokens) or to "
+            hints.append(f"raise data.max_length to at least {self.first_cut_answer + 1} (to keep an answer token) or to "
                          f"{self.longest} (the longest sample, whole)")
         if self.bad_rows:
             hints.append("fix the malformed rows (first problems: " + " | ".join(self.examples) + ")")

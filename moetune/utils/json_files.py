@@ -19,4 +19,4 @@ def read_json(path: Path) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}") from None
+        raise ValueError(f"{path} is not valid JSON: {err.msg} (line {err.lineno}, column {err.colno})") from None

@@ -215,5 +215,5 @@ def test_a_damaged_adapter_is_named(tmp_path):
     with pytest.raises(ValueError, match=rf"{weights} is truncated: {len(data) - 100} of the {len(data)} bytes"):
         load_peft_adapter(build_moetune_model(tiny_qwen3_moe_config()), tmp_path / "adapter")
     config.write_text(config.read_text().replace(":", "", 1))
-    with pytest.raises(ValueError, match=rf"{config} is not valid JSON: Expecting ':' delimiter at line \d+, column \d+"):
+    with pytest.raises(ValueError, match=rf"{config} is not valid JSON: Expecting ':' delimiter \(line \d+, column \d+\)"):
         load_peft_adapter(build_moetune_model(tiny_qwen3_moe_config()), tmp_path / "adapter")

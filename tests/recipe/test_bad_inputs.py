@@ -73,7 +73,7 @@ def test_a_config_json_that_is_not_json_names_the_file_line_and_column(tiny_job,
     (folder / "config.json").write_text('{\n  "model_type": "qwen3_moe",\n  "hidden_size": 128\n  "vocab_size": 9\n}')
     _no_data_work(monkeypatch)
     with pytest.raises(ValueError, match=r"model.config_path: .*config.json is not valid JSON: Expecting ',' delimiter "
-                                         r"at line 4, column 3"):
+                                         r"\(line 4, column 3\)"):
         finetune(tiny_job(model__config_path=folder))
 
 
@@ -98,7 +98,7 @@ def test_a_max_length_that_cuts_every_answer_says_how_many_and_why(tiny_job, tmp
                                          r"truncated to data.max_length 8 tokens; 240 of them dropped because truncation "
                                          r"cut away every answer token \(their answers start at token (\d+) or later\); "
                                          r"0 samples with an empty answer dropped\)\. To keep them: raise data.max_length "
-                                         r"above \1 \(to keep some answer tokens\) or to \d+ \(the longest sample, whole\)"):
+                                         r"to at least \1 \(to keep an answer token\) or to \d+ \(the longest sample, whole\)"):
         finetune(tiny_job(data__max_length=8))
 
 

@@ -104,7 +104,7 @@ def test_a_truncated_shard_or_damaged_train_state_is_named_before_anything_is_bu
         finetune(resume)
     state_file = path / checkpointing.STATE_FILE
     state_file.write_text(state_file.read_text()[:-20])
-    with pytest.raises(ValueError, match=rf"{state_file} is not valid JSON: .* at line \d+, column \d+"):
+    with pytest.raises(ValueError, match=rf"{state_file} is not valid JSON: .* \(line \d+, column \d+\)"):
         finetune(resume)
     state_file.write_text(json.dumps({"step": 2}))
     with pytest.raises(ValueError, match=rf"{state_file} is not a checkpoint's train state"):
