@@ -76,7 +76,7 @@ def check_model_for_job(model_config: PretrainedConfig, *, packing: bool, cuda_g
         raise ValueError(f"model: not a causal LM: {reason}")
     model = meta_model(model_config)
     if tokenizer_size is not None:
-        rows = model.get_input_embeddings().num_embeddings
+        rows = model.get_input_embeddings().weight.shape[0]
         if tokenizer_size > rows:
             raise ValueError(
                 f"model.tokenizer_path: the tokenizer has {tokenizer_size} tokens but the model's input embedding has "
