@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from moetune import AutoModelForCausalLM
+from moetune.checkpoint import list_checkpoint_tensors
 from moetune.layers.activation_checkpointing import enable_activation_checkpointing
 from moetune.models.registry import not_causal_reason
 from moetune.recipe.config import ModelConfig
@@ -46,6 +47,20 @@ def load_model_config(config: ModelConfig) -> PretrainedConfig:
             raise ValueError("model.router_aux_loss_coef: this model has no MoE load-balancing loss")
         model_config.router_aux_loss_coef = config.router_aux_loss_coef
     return model_config
+
+
+def check_weight_files(config: ModelConfig) -> None:
+    """``model.pretrained_path``'s safetensors files, read from their headers (a damaged or truncated
+    file is named, with its shard, before any data is read), for every architecture: moetune's
+    loader reads them so, Transformers' (for the others) would name no file. A folder of other
+    formats is left to Transformers."""
+    folder = Path(config.pretrained_path) if config.pretrained_path else None
+    if folder is None or not folder.is_dir() or not any(folder.glob("*.safetensors")):
+        return
+    try:
+        list_checkpoint_tensors(folder)
+    except (ValueError, FileNotFoundError) as err:
+        raise ValueError(f"model.pretrained_path: {err}") from None
 
 
 _RECURRENT_MIXERS = ("Mamba", "GatedDeltaNet")

@@ -24,7 +24,7 @@ from moetune.recipe.distributed_setup import (
 from moetune.recipe.interrupts import StopRequest
 from moetune.recipe.output_lock import OutputLock
 from moetune.recipe.model_loading import (
-    build_model, check_model_for_job, load_model_config, load_tokenizer, model_fingerprint,
+    build_model, check_model_for_job, check_weight_files, load_model_config, load_tokenizer, model_fingerprint,
 )
 from moetune.recipe.packing import Batch, BatchStream, check_resumable, fixed_batches, max_documents_per_row
 from moetune.recipe.profiling import StepProfiler
@@ -150,6 +150,7 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
     model_config = load_model_config(config.model)
     takes_offsets = check_model_for_job(model_config, packing=config.data.packing,
                                         cuda_graph=config.training.cuda_graph == "true", tokenizer_size=len(tokenizer))
+    check_weight_files(config.model)
     cuda_graph = uses_cuda_graph(config, runtime, takes_offsets=takes_offsets)
     _check_graph_sharding(config, runtime)
     data = prepare_data(config.data, tokenizer, seed=config.training.seed)

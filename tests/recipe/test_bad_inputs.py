@@ -68,6 +68,21 @@ def test_a_vocabulary_smaller_than_the_tokenizers_is_refused_naming_both(tiny_jo
         finetune(tiny_job(model__config_path=_model_dir(tmp_path, small)))
 
 
+def test_a_truncated_weight_file_is_named_before_any_data_work(tiny_job, tmp_path, monkeypatch):
+    """For every architecture (Transformers' loader, for the ones moetune does not implement, names no file)."""
+    from moetune import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(DEFAULT_ASSETS / "model")).save_pretrained(
+        tmp_path / "pretrained")
+    weights = tmp_path / "pretrained" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 3])
+    _no_data_work(monkeypatch)
+    with pytest.raises(ValueError, match=rf"model.pretrained_path: {weights} is truncated: {len(data) // 3} of the "
+                                         rf"{len(data)} bytes its header describes"):
+        finetune(tiny_job(model__pretrained_path=tmp_path / "pretrained"))
+
+
 def test_a_config_json_that_is_not_json_names_the_file_line_and_column(tiny_job, tmp_path, monkeypatch):
     folder = _model_dir(tmp_path, {})
     (folder / "config.json").write_text('{\n  "model_type": "qwen3_moe",\n  "hidden_size": 128\n  "vocab_size": 9\n}')
