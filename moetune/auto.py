@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import warnings
 from pathlib import Path
@@ -43,7 +42,9 @@ from moetune.fp8.settings import check_fp8_hardware
 from moetune.models import ModelFamily, family_for, set_moe_options
 from moetune.models.fp8 import enable_fp8
 from moetune.models.options import check_experts_backend
+from moetune.models.registry import not_causal_reason, transformers_causal_lm_class
 from moetune.options import MoetuneOptions
+from moetune.utils.json_files import read_json
 from moetune.utils.materialize import materialize
 
 
@@ -60,6 +61,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         family = family_for(config)
         if family is None:
             _check_fallback_options(config, options)
+            _warn_if_not_causal(config, stacklevel=2)
             _prefer_moetune_experts(config, kwargs, options.experts_backend)
             return _with_fallback_experts_backend(
                 transformers.AutoModelForCausalLM.from_config(config, **kwargs), options.experts_backend
@@ -253,6 +255,7 @@ def _load_with_transformers(path, model_args, kwargs: dict[str, Any], config: Pr
     """An architecture moetune does not implement (or a checkpoint Transformers' class must load):
     Transformers' auto class with every argument as given, and the config already loaded."""
     _check_fallback_options(config, options)
+    _warn_if_not_causal(config, stacklevel=3)
     _prefer_moetune_experts(config, kwargs, options.experts_backend)
     for key in config_overrides:
         kwargs.pop(key)  # already applied to the config
@@ -389,7 +392,9 @@ def _load_config(folder: Path, *, trust_remote_code: bool | None, overrides: dic
         )
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {str(folder)!r}")
-    data = json.loads(path.read_text())
+    data = read_json(path)  # a damaged file: named, with the line and column
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object of config fields, got a {type(data).__name__}")
     alias = MODEL_TYPE_ALIASES.get(data.get("model_type"))
     try:
         if alias is not None:  # moetune implements it: Transformers' own config class, never the remote code's
@@ -468,8 +473,20 @@ def _generation_config(folder: Path | None, model, explicit: GenerationConfig | 
 
 
 def _takes_experts_implementation(config: PretrainedConfig) -> bool:
-    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    model_class = transformers_causal_lm_class(config)
     return model_class is not None and model_class._can_set_experts_implementation()
+
+
+def _warn_if_not_causal(config: PretrainedConfig, *, stacklevel: int) -> None:
+    """An encoder built as a causal LM (BERT with ``is_decoder=False``): Transformers builds it and only
+    logs a line; moetune builds it too (a drop-in does what Transformers does) but warns, naming the
+    field. ``moetune finetune`` refuses it. A config Transformers has no causal-LM class for is left
+    to Transformers' own error."""
+    if transformers_causal_lm_class(config) is None:
+        return
+    reason = not_causal_reason(config)
+    if reason is not None:
+        warnings.warn(f"this causal LM is not causal: {reason}", UserWarning, stacklevel=stacklevel + 1)
 
 
 def _prefer_moetune_experts(config: PretrainedConfig, kwargs: dict[str, Any], experts_backend: str) -> None:

@@ -23,8 +23,8 @@ def _finetune_parser() -> argparse.ArgumentParser:
                     "(command line > YAML > defaults); see --help-config for the list.",
     )
     parser.add_argument("-c", "--config", help="YAML file with the job's config")
-    parser.add_argument("--nproc-per-node", type=int, default=0,
-                        help="start this many processes on this node through torchrun (torch.distributed.run)")
+    parser.add_argument("--nproc-per-node", type=int, default=None,
+                        help="start this many processes (>= 1) on this node through torchrun (torch.distributed.run)")
     parser.add_argument("--help-config", action="store_true", help="list every config field and exit")
     return parser
 
@@ -38,7 +38,9 @@ def finetune_main(argv: list[str]) -> int:
         for key, default, doc in describe():
             print(f"--{key} (default {default})\n    {doc}")
         return 0
-    if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        parser.error(f"--nproc-per-node: must be >= 1 (processes to start on this node), got {args.nproc_per_node}")
+    if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:
         tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS") or 1)
         if tasks > 1:
             # Each srun task would start a job of its own (--standalone), all writing one output folder.
@@ -49,6 +51,7 @@ def finetune_main(argv: list[str]) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={args.nproc_per_node}", "-m", "moetune.cli", "finetune", *_without_nproc(argv)]
         os.execv(sys.executable, cmd)
+    from moetune.recipe.checkpointing import CheckpointWriteError
     from moetune.recipe.config_loading import load_config
     from moetune.recipe.train import NonFiniteLossError, finetune
 
@@ -58,9 +61,9 @@ def finetune_main(argv: list[str]) -> int:
         parser.error(str(err))
     try:
         result = finetune(config)
-    except (ValueError, NonFiniteLossError) as err:
-        # A user's mistake (bad path, malformed data, wrong checkpoint) or a diverged run: the
-        # message says what and where; a traceback would only hide it.
+    except (ValueError, NonFiniteLossError, CheckpointWriteError) as err:
+        # A user's mistake (bad path, malformed data, wrong checkpoint), a diverged run or a full
+        # disk: the message says what and where; a traceback would only hide it.
         print(f"moetune finetune: error: {err}", file=sys.stderr)
         return 2 if isinstance(err, ValueError) else 1
     code = 130 if result.interrupted else 0  # 128 + SIGINT, the shell's convention

@@ -7,10 +7,16 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from moetune.utils.json_files import read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -65,10 +71,10 @@ def list_checkpoint_tensors(folder: str | os.PathLike, *, variant: str | None = 
             f"no {single_path.name} or {index_path.name} in {str(folder)!r} (the files of variant={variant!r})"
         )
     if index_path.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as error:
-            raise ValueError(f"{index_path} is not a valid safetensors index (needs a 'weight_map'): {error}") from None
+        index = read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path} is not a valid safetensors index (needs a 'weight_map' object)")
         files = sorted({folder / name for name in weight_map.values()})
     elif single_path.is_file():
         files = [single_path]
@@ -79,16 +85,55 @@ def list_checkpoint_tensors(folder: str | os.PathLike, *, variant: str | None = 
         hint = f" (found {pickles}: moetune reads safetensors only and never unpickles weights)" if pickles else ""
         raise FileNotFoundError(f"no *.safetensors weights in {str(folder)!r}{hint}")
     tensors: dict[str, TensorInfo] = {}
-    for path in files:
+    for number, path in enumerate(files, start=1):
         if not path.is_file():
             raise FileNotFoundError(f"{index_path} lists {path.name!r}, which does not exist in {str(folder)!r}")
-        with safe_open(path, framework="pt") as handle:
+        shard = f"shard {number} of {len(files)} listed in {index_path.name}" if index_path.is_file() else ""
+        with open_safetensors(path, shard=shard) as handle:
             for key in handle.keys():
                 view = handle.get_slice(key)
                 if key in tensors:
                     raise ValueError(f"tensor {key!r} appears in both {tensors[key].file.name} and {path.name}")
                 tensors[key] = TensorInfo(path, tuple(view.get_shape()), view.get_dtype(), key)
     return tensors
+
+
+@contextmanager
+def open_safetensors(path: Path, *, shard: str = "") -> Iterator[Any]:
+    """``safe_open(path)``; a file safetensors cannot open raises a ValueError naming it (and its
+    ``shard`` description) and, for a truncated file, its size against the size its header describes."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(unreadable_safetensors(path, err, shard=shard)) from None
+    with handle:
+        yield handle
+
+
+def unreadable_safetensors(path: Path, error: BaseException, *, shard: str = "") -> str:
+    """Why safetensors could not read ``path``, in words: truncated (and by how much) or damaged."""
+    name = f"{path} ({shard})" if shard else str(path)
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as file:
+            prefix = file.read(8)
+            header_size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
+            header = file.read(header_size) if header_size is not None and header_size <= 100_000_000 else b""
+    except OSError as err:
+        return f"{name} cannot be read: {err.strerror or err}"
+    if header_size is None or 8 + header_size > size:
+        described = "" if header_size is None else f"; its header alone should take {8 + header_size} bytes"
+        return f"{name} is truncated: {size} bytes{described} (an interrupted download or copy?); fetch it again"
+    try:
+        entries = json.loads(header)
+        data_end = max((e["data_offsets"][1] for k, e in entries.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return f"{name} is not a valid safetensors file (its header is damaged: {error})"
+    expected = 8 + header_size + data_end
+    if size < expected:
+        return (f"{name} is truncated: {size} of the {expected} bytes its header describes (an interrupted download "
+                "or copy?); fetch it again")
+    return f"{name} is not a valid safetensors file ({error})"
 
 
 # torch dtype -> the safetensors header's name for it (what ``safe_open``'s ``get_dtype`` reports).

@@ -200,3 +200,20 @@ def test_peft_on_the_moetune_model_trains_as_on_transformers(tmp_path, tokens):
     assert grads[0].keys() == grads[1].keys() and any(".experts." in n for n in grads[0])
     for name in grads[1]:
         assert rel_err(grads[0][name], grads[1][name]) < 1e-5, name
+
+
+def test_a_damaged_adapter_is_named(tmp_path):
+    """A truncated adapter_model.safetensors and an adapter_config.json that is not JSON name the file."""
+    from moetune.lora import load_peft_adapter
+
+    model = build_moetune_model(tiny_qwen3_moe_config())
+    apply_lora(model, LoraSettings(rank=2, alpha=4))
+    export_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
+    weights, config = tmp_path / "adapter" / "adapter_model.safetensors", tmp_path / "adapter" / "adapter_config.json"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=rf"{weights} is truncated: {len(data) - 100} of the {len(data)} bytes"):
+        load_peft_adapter(build_moetune_model(tiny_qwen3_moe_config()), tmp_path / "adapter")
+    config.write_text(config.read_text().replace(":", "", 1))
+    with pytest.raises(ValueError, match=rf"{config} is not valid JSON: Expecting ':' delimiter \(line \d+, column \d+\)"):
+        load_peft_adapter(build_moetune_model(tiny_qwen3_moe_config()), tmp_path / "adapter")
