@@ -4,10 +4,8 @@ from the headers only (nothing is loaded). Pickle files are never opened. An in-
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,6 +14,7 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
+from moetune.utils.file_errors import unreadable_safetensors
 from moetune.utils.json_files import read_json
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -108,32 +107,6 @@ def open_safetensors(path: Path, *, shard: str = "") -> Iterator[Any]:
         raise ValueError(unreadable_safetensors(path, err, shard=shard)) from None
     with handle:
         yield handle
-
-
-def unreadable_safetensors(path: Path, error: BaseException, *, shard: str = "") -> str:
-    """Why safetensors could not read ``path``, in words: truncated (and by how much) or damaged."""
-    name = f"{path} ({shard})" if shard else str(path)
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as file:
-            prefix = file.read(8)
-            header_size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
-            header = file.read(header_size) if header_size is not None and header_size <= 100_000_000 else b""
-    except OSError as err:
-        return f"{name} cannot be read: {err.strerror or err}"
-    if header_size is None or 8 + header_size > size:
-        described = "" if header_size is None else f"; its header alone should take {8 + header_size} bytes"
-        return f"{name} is truncated: {size} bytes{described} (an interrupted download or copy?); fetch it again"
-    try:
-        entries = json.loads(header)
-        data_end = max((e["data_offsets"][1] for k, e in entries.items() if k != "__metadata__"), default=0)
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
-        return f"{name} is not a valid safetensors file (its header is damaged: {error})"
-    expected = 8 + header_size + data_end
-    if size < expected:
-        return (f"{name} is truncated: {size} of the {expected} bytes its header describes (an interrupted download "
-                "or copy?); fetch it again")
-    return f"{name} is not a valid safetensors file ({error})"
 
 
 # torch dtype -> the safetensors header's name for it (what ``safe_open``'s ``get_dtype`` reports).

@@ -30,7 +30,8 @@ from safetensors import SafetensorError
 from torch import nn
 
 from moetune.checkpoint import fp8, mxfp4
-from moetune.checkpoint.files import TensorInfo, open_safetensors, unreadable_safetensors
+from moetune.checkpoint.files import TensorInfo, open_safetensors
+from moetune.utils.file_errors import unreadable_safetensors
 from moetune.checkpoint.layout import CheckpointLayout, Region
 
 

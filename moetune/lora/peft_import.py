@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from moetune.checkpoint.files import unreadable_safetensors
+from moetune.utils.file_errors import unreadable_safetensors
 
 from moetune.lora.apply import apply_lora, find_expert_targets, remove_lora
 from moetune.lora.peft_format import load_from_peft, peft_entries

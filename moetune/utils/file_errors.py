@@ -1,10 +1,14 @@
-"""I/O errors that name the file: ``OSError.filename`` set where the OS error did not say it."""
+"""I/O errors that name the file: ``OSError.filename`` set where the OS error did not say it, and
+why a safetensors file could not be read, in words."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import struct
 from collections.abc import Iterator
+from pathlib import Path
 
 
 @contextlib.contextmanager
@@ -39,3 +43,29 @@ def with_filename(err: OSError, path: str | os.PathLike) -> OSError:
     if err.filename is not None:
         return err
     return type(err)(err.errno, err.strerror or str(err), str(path)) if err.errno else OSError(f"{err} ({path})")
+
+
+def unreadable_safetensors(path: Path, error: BaseException, *, shard: str = "") -> str:
+    """Why safetensors could not read ``path``, in words: truncated (and by how much) or damaged."""
+    name = f"{path} ({shard})" if shard else str(path)
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as file:
+            prefix = file.read(8)
+            header_size = struct.unpack("<Q", prefix)[0] if len(prefix) == 8 else None
+            header = file.read(header_size) if header_size is not None and header_size <= 100_000_000 else b""
+    except OSError as err:
+        return f"{name} cannot be read: {err.strerror or err}"
+    if header_size is None or 8 + header_size > size:
+        described = "" if header_size is None else f"; its header alone should take {8 + header_size} bytes"
+        return f"{name} is truncated: {size} bytes{described} (an interrupted download or copy?); fetch it again"
+    try:
+        entries = json.loads(header)
+        data_end = max((e["data_offsets"][1] for k, e in entries.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return f"{name} is not a valid safetensors file (its header is damaged: {error})"
+    expected = 8 + header_size + data_end
+    if size < expected:
+        return (f"{name} is truncated: {size} of the {expected} bytes its header describes (an interrupted download "
+                "or copy?); fetch it again")
+    return f"{name} is not a valid safetensors file ({error})"
