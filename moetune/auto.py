@@ -41,6 +41,7 @@ from moetune.loading_kwargs import (
 from moetune.models import ModelFamily, family_for, set_moe_options
 from moetune.models.options import check_experts_backend
 from moetune.options import MoetuneOptions
+from moetune.training.graphed_backbone import set_training_graphs
 
 
 class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
@@ -76,6 +77,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
                 building.enter_context(torch.device("meta"))
             model = family.causal_lm._from_config(config, **build)
         set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
+        set_training_graphs(model, options.cuda_graphs)
         if options.distributed:
             from moetune.distributed import parallelize_for_options
 
@@ -167,6 +169,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
                 stacklevel=2,
             )
         set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
+        set_training_graphs(model, options.cuda_graphs)
         if options.distributed:
             from moetune.distributed import parallelize_for_options
 

@@ -77,6 +77,13 @@ class MoetuneOptions:
     updates and keeps AdamW states for 1 / world of them, and the LM head's dense gradient is never
     all-reduced; the step's hidden states travel instead (``moetune.distributed.vocab_parallel``)."""
 
+    cuda_graphs: bool = True
+    """On CUDA, replay the decoder stack's training forward and backward from CUDA graphs (one pair per
+    shape bucket; ``moetune.training.graphed_backbone``) under any training loop (Transformers'
+    ``Trainer``, TRL, PEFT, your own), where that is exact; everything else (evaluation, generation,
+    left-padded batches, checkpointed layers with dropout, expert parallelism) runs eagerly as before. False:
+    always eager (``moetune.training.set_training_graphs(model, enabled)`` switches it later)."""
+
     global_aux_loss: bool = False
     """With ``ep_size`` / ``device_mesh``: the MoE load-balancing loss over all ranks' tokens, as one
     process on the whole batch computes it (the router's tokens and probabilities summed over the
@@ -86,7 +93,7 @@ class MoetuneOptions:
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
             raise ValueError(f"ep_size must be a positive int (or None), got {self.ep_size!r}")
-        for name in ("balanced_gate", "reshard_after_forward"):
+        for name in ("balanced_gate", "reshard_after_forward", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_experts_backend_name(self.experts_backend)
