@@ -195,8 +195,9 @@ def compare_sides(sides: dict[str, dict[str, Any]], *, first: int = 10) -> dict[
     for key in ("tokens_per_s_median", "tokens_per_s_mean"):
         if hf.get(key) and ours.get(key):
             summary[key.replace("tokens_per_s", "speedup")] = ours[key] / hf[key]
-    if hf.get("peak_memory_gib") and ours.get("peak_memory_gib"):
-        summary["peak_memory_ratio"] = ours["peak_memory_gib"] / hf["peak_memory_gib"]
+    for key in ("peak_memory_gib", "peak_reserved_gib"):
+        if hf.get(key) and ours.get(key):
+            summary[key.replace("_gib", "_ratio")] = ours[key] / hf[key]
     pairs = list(zip(hf["losses"][:first], ours["losses"][:first]))
     if pairs:
         summary["loss_max_abs_diff"] = max(abs(a - b) for a, b in pairs)
