@@ -28,7 +28,7 @@ appended after the real tokens and never attended to by them:
   only. The routers' logits of pads are cut away as well, so the aux loss (masked by the caller's
   ``attention_mask``) is unchanged;
 - padding-free batches (TRL's ``padding_free``/``packing``: one row, ``position_ids`` and the
-  documents' offsets ``cu_seq_lens_q`` / ``max_length_q``) get one more document of pads at the end
+  documents' offsets ``cu_seq_lens_q`` / ``max_length_q``, maybe ``seq_idx``) get one more document of pads at the end
   and empty documents up to a bucketed count of offsets; the longest document is bucketed to a
   power of two;
 - plain rows (no mask, no positions) are padded to the bucket.
@@ -72,7 +72,7 @@ from torch.autograd.function import once_differentiable
 # Keyword arguments of the decoder stack's forward that the graphs take (the rest: eager).
 _GRAPHABLE_KEYS = frozenset({
     "input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
-    "use_cache", "return_dict",
+    "seq_idx", "use_cache", "return_dict",
 })  # fmt: skip
 # Keys that may be present with a value that changes nothing here.
 _NEUTRAL_FALSY = ("cache", "past_key_values", "inputs_embeds", "output_attentions", "output_hidden_states")
@@ -139,7 +139,7 @@ def plan_batch(kwargs: dict[str, Any], *, pad_token_id: int = 0, labels: ScoredL
     rows, length = ids_BS.shape
     if kwargs.get("cu_seq_lens_q") is not None:
         return _plan_documents(kwargs, ids_BS, pad_token_id=pad_token_id)
-    if kwargs.get("position_ids") is not None:
+    if kwargs.get("position_ids") is not None or kwargs.get("seq_idx") is not None:
         return None  # positions without offsets: Transformers finds the documents itself (eager)
     mask_BS = kwargs.get("attention_mask")
     if mask_BS is not None and not _right_padded(mask_BS, rows=rows, length=length, labels=labels):
@@ -193,6 +193,12 @@ def _plan_documents(kwargs: dict[str, Any], ids_BS: torch.Tensor, *, pad_token_i
         "position_ids": torch.cat([positions_BS, pad_positions], dim=1),
         "cu_seq_lens_q": torch.cat([offsets, tail]),
     }
+    documents_BS = kwargs.get("seq_idx")  # TRL's document number per token (Mamba-2 layers read it)
+    if documents_BS is not None:
+        if tuple(documents_BS.shape) != (1, length):
+            return None
+        pad_documents = (documents_BS[:, -1:] + 1).expand(1, padded - length)
+        tensors["seq_idx"] = torch.cat([documents_BS, pad_documents], dim=1)
     return BatchPlan(
         key=("documents", padded, num_offsets, longest), tensors=tensors, constants={"max_length_q": longest},
         rows=1, length=length, padded=padded,

@@ -28,7 +28,32 @@ def compare():
         sys.path.remove(str(SCRIPTS_DIR))
 
 
-def test_every_script_trains_alike_with_both_imports(compare, tmp_path):
+@pytest.fixture
+def padded_plans(monkeypatch):
+    """moetune's decoder stacks take every batch through the bucket padding of the CUDA-graph path,
+    run eagerly (the CPU has no graphs): the padding under Transformers' and TRL's real collators.
+    Yields the plans made (None where a batch kept its own path)."""
+    from moetune.models import causal_lm
+    from moetune.training import graphed_backbone
+
+    plans = []
+    real_plan = graphed_backbone.plan_batch
+
+    def plan_batch(*args, **kwargs):
+        plans.append(real_plan(*args, **kwargs))
+        return plans[-1]
+
+    def eager_padded(backbone):
+        if "_training_graphs" not in backbone.__dict__:
+            backbone.__dict__["_training_graphs"] = graphed_backbone.TrainingGraphs(backbone, use_graphs=False)
+        return backbone.__dict__["_training_graphs"]
+
+    monkeypatch.setattr(graphed_backbone, "plan_batch", plan_batch)
+    monkeypatch.setattr(causal_lm, "training_graphs", eager_padded)
+    return plans
+
+
+def test_every_script_trains_alike_with_both_imports(compare, tmp_path, padded_plans):
     scripts = ["trainer_rows", "sft_padded", "sft_packing", "sft_padding_free", "sft_lora", "trainer_rows_moetune_trainer"]
     argv = ["--cpu", "--in-process", "--layers", "2", "--max-steps", "3", "--warmup-steps", "1", "--seq-len", "48",
             "--chat-lengths", "6,40", "--num-chat", "24", "--out", str(tmp_path), "--scripts", ",".join(scripts),
@@ -52,6 +77,8 @@ def test_every_script_trains_alike_with_both_imports(compare, tmp_path):
         # fp32 on the CPU: the same function, trained the same way
         assert entry["loss_max_rel_diff"] < 1e-4, (name, sides["transformers"]["losses"], sides["moetune"]["losses"])
         assert entry["speedup_median"] > 0
+    kinds = {plan.key[0] for plan in padded_plans if plan is not None}
+    assert kinds == {"rows", "documents"} and len(padded_plans) >= 6 * 3
     padded = report["scripts"]["sft_padded"]["sides"]["moetune"]["tokens"]
     packed = report["scripts"]["sft_padding_free"]["sides"]["moetune"]["tokens"]
     assert max(padded) <= 2 * 40 and max(packed) <= 2 * 40  # real tokens only: pads are not counted
