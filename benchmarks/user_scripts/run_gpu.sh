@@ -34,13 +34,13 @@ for stage in $STAGES; do
   start=$(date +%s)
   case $stage in
     tests)
-      timeout 240 python3 -m pytest -q -m gpu -x tests/test_graphed_training.py -p no:cacheprovider 2>&1 | tail -30 | tee "$RESULTS/gpu_tests.log" ;;
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu -x tests/test_graphed_training.py -p no:cacheprovider 2>&1 | tail -30 | tee "$RESULTS/gpu_tests.log" ;;
     qwen3)
       timeout ${QWEN3_TIMEOUT:-480} python3 benchmarks/user_scripts/compare.py --config qwen3_30b_a3b --layers "$LAYERS" \
         --scripts "$SCRIPTS" --max-steps "$STEPS" --warmup-steps "$WARMUP" --out "$RESULTS/qwen3" --work /tmp/us_work_qwen3 \
         --timeout ${SIDE_TIMEOUT:-150} 2>&1 | grep -v "it/s\]" | tail -40 | tee "$RESULTS/qwen3.log" ;;
     bench)
-      timeout 200 python3 -m moetune.bench --layers "$LAYERS" --routing real --sides moetune --moetune-cuda-graph \
+      timeout ${BENCH_TIMEOUT:-200} python3 -m moetune.bench --layers "$LAYERS" --routing real --sides moetune --moetune-cuda-graph \
         --moetune-optimizer moetune --steps 10 --warmup 3 --out "$RESULTS/bench" 2>&1 | tail -15 | tee "$RESULTS/bench.log" ;;
     families)
       for config in gpt_oss_20b nemotron_3_nano_30b_a3b moonlight_16b_a3b; do
