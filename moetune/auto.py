@@ -44,6 +44,7 @@ from moetune.models.fp8 import enable_fp8
 from moetune.models.options import check_experts_backend
 from moetune.models.registry import not_causal_reason, transformers_causal_lm_class
 from moetune.options import MoetuneOptions
+from moetune.training.graphed_backbone import set_training_graphs
 from moetune.utils.json_files import read_json
 from moetune.utils.materialize import materialize
 
@@ -84,6 +85,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             model = family.causal_lm._from_config(config, **build)
         set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
         enable_fp8(model, options.fp8_settings)
+        set_training_graphs(model, options.cuda_graphs)
         if options.distributed:
             return parallelize_for_options(model, options, init_weights=True)
         return _with_lora(model, options)
@@ -175,6 +177,7 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
             )
         set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
         enable_fp8(model, options.fp8_settings)
+        set_training_graphs(model, options.cuda_graphs)
         if options.distributed:
             model = parallelize_for_options(model, options, init_weights=False)
         else:

@@ -87,6 +87,12 @@ class MoetuneOptions:
     """With ``fp8``: 'auto' (torch's cuBLAS / CUTLASS FP8 GEMMs where torch has them, moetune's Triton
     GEMMs elsewhere), 'triton' (moetune's Triton GEMMs everywhere) or 'reference' (the plain-PyTorch
     reference, dequantised operands multiplied in fp32: any device, CPU included; for tests)."""
+    cuda_graphs: bool = True
+    """On CUDA, replay the decoder stack's training forward and backward from CUDA graphs (one pair per
+    shape bucket; ``moetune.training.graphed_backbone``) under any training loop (Transformers'
+    ``Trainer``, TRL, PEFT, your own), where that is exact; everything else (evaluation, generation,
+    left-padded batches, checkpointed layers with dropout, expert parallelism) runs eagerly as before. False:
+    always eager (``moetune.training.set_training_graphs(model, enabled)`` switches it later)."""
 
     global_aux_loss: bool = False
     """With ``ep_size`` / ``device_mesh``: the MoE load-balancing loss over all ranks' tokens, as one
@@ -97,7 +103,7 @@ class MoetuneOptions:
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
             raise ValueError(f"ep_size must be a positive int (or None), got {self.ep_size!r}")
-        for name in ("balanced_gate", "reshard_after_forward"):
+        for name in ("balanced_gate", "reshard_after_forward", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_experts_backend_name(self.experts_backend)

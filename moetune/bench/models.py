@@ -278,6 +278,9 @@ def build_moetune(
     config = copy.deepcopy(config)
     options = dict(options or {})
     notes: dict[str, Any] = {"options": dict(options)} if options else {}
+    # moetune's eager rows stay eager (the graphed rows replay moetune's whole step instead); the
+    # graphs that replay the decoder stack under a user's own loop: --moetune-option cuda_graphs=True.
+    options.setdefault("cuda_graphs", False)
     if world_size > 1:
         _require_expert_parallelism()
         options.setdefault("ep_size", world_size)

@@ -20,7 +20,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_outputs import (
+    MoeCausalLMOutputWithPast,
+    MoeModelOutputWithPast,
+)
 
 from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout, save_hf_checkpoint
 from moetune.checkpoint.loader import load_per_expert_tensors
@@ -34,6 +37,7 @@ from moetune.moe import (
     capture_router_logits,
     load_balancing_loss,
 )
+from moetune.training.graphed_backbone import LABELS_KEY, ScoredLabels, training_graphs
 
 try:  # Transformers >= 5.0 records which tensors were initialised, so loading can skip them.
     from transformers import initialization as hf_init
@@ -89,6 +93,10 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
     takes_document_offsets: bool = False
     """Whether every layer's attention honours ``cu_seq_lens_q`` (the documents of packed rows)."""
 
+    cuda_graph_training: bool = True
+    """Whether training forwards and backwards on CUDA replay CUDA graphs where that is exact
+    (``moetune.training.graphed_backbone``; ``MoetuneOptions.cuda_graphs``)."""
+
     embedding_name: str = "embed_tokens"
     final_norm_name: str = "norm"
     """The backbone's input embedding and final norm attributes (Nemotron-H: ``embeddings``,
@@ -120,14 +128,24 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
             return_dict = getattr(self.config, "return_dict", True)
         # The backbone returns a ModelOutput (so the router logits can be added), made a tuple here.
         kwargs["return_dict"] = True
-        if not output_router_logits:
-            outputs = self._backbone_forward(*args, **kwargs)
-        else:
-            with capture_router_logits(self, ROUTERS) as router_logits:
-                outputs = self._backbone_forward(*args, **kwargs)
-            # By key: a field that was None is missing from the output's keys, which to_tuple reads.
-            outputs["router_logits"] = tuple(router_logits)
+        labels = kwargs.pop(LABELS_KEY, None)  # the causal LM's targets, so that padding is checked against them
+        outputs = None
+        graphs = training_graphs(self) if not args else None
+        if graphs is not None:  # a training step on CUDA: replayed from CUDA graphs where that is exact
+            outputs = graphs.run(kwargs, output_router_logits=output_router_logits, forward=self._eager_outputs,
+                                 labels=labels)  # fmt: skip
+        if outputs is None:
+            outputs = self._eager_outputs(kwargs, output_router_logits, *args)
         return outputs if return_dict else outputs.to_tuple()
+
+    def _eager_outputs(self, kwargs: dict, output_router_logits: bool, *args):
+        if not output_router_logits:
+            return self._backbone_forward(*args, **kwargs)
+        with capture_router_logits(self, ROUTERS) as router_logits:
+            outputs = self._backbone_forward(*args, **kwargs)
+        # By key: a field that was None is missing from the output's keys, which to_tuple reads.
+        outputs["router_logits"] = tuple(router_logits)
+        return outputs
 
     def _backbone_forward(self, *args, **kwargs):
         if args or not self._is_plain_causal(kwargs):
@@ -328,6 +346,8 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
         given = {"position_ids": position_ids, _CACHE_FIELD: cache, "inputs_embeds": inputs_embeds, "use_cache": use_cache}
         kwargs.update({name: value for name, value in given.items() if value is not None})
 
+        if labels is not None or shift_labels is not None:
+            kwargs[LABELS_KEY] = ScoredLabels(shift_labels if shift_labels is not None else labels, shift_labels is not None)
         # return_dict=True: the backbone would follow a config's return_dict=False and return a tuple.
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, output_router_logits=output_router_logits,

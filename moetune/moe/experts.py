@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.distributed.tensor import DTensor
 
 from moetune.kernels import moe_permute, swiglu
@@ -152,21 +153,39 @@ class GroupedExperts(nn.Module):
         return self._run(x, tokens_per_expert_E, gather_order=gather_order, gather_top_k=gather_top_k)
 
     def _run(self, x, tokens_per_expert_E, *, gather_order, gather_top_k) -> torch.Tensor:
-        in_proj, down_proj = _local(self.in_proj), _local(self.down_proj)
-        if self.is_transposed:  # views in the [E, out, in] layout run_experts takes
-            in_proj, down_proj = in_proj.transpose(-2, -1), down_proj.transpose(-2, -1)
+        weights, adapters = [], []
+        for name, adapter in zip(self.weight_names, self.lora_adapters()):
+            peft = None if adapter is not None else self._peft_factors(name)
+            weight = getattr(self, name) if peft is None else peft[0]
+            weights.append(_local(weight).transpose(-2, -1) if self.is_transposed else _local(weight))
+            adapter = adapter if peft is None else peft[1]
+            adapters.append(None if adapter is None else ExpertAdapter(_local(adapter.a_ERI), _local(adapter.b_EOR), adapter.scaling))
+        (in_proj, down_proj), (in_adapter, down_adapter) = weights, adapters  # [E, out, in] views
         biases = {}
         if self.has_bias:
             biases = {"in_bias": _local(getattr(self, f"{self._in_name}_bias")), "down_bias": _local(self.down_proj_bias)}
-        in_adapter, down_adapter = (
-            None if adapter is None else ExpertAdapter(_local(adapter.a_ERI), _local(adapter.b_EOR), adapter.scaling)
-            for adapter in self.lora_adapters()
-        )
         return run_experts(
             x, tokens_per_expert_E, in_proj, down_proj, activate=self._activate, backend=self.backend,
             gather_order=gather_order, gather_top_k=gather_top_k, in_adapter=in_adapter, down_adapter=down_adapter,
             fp8=self.fp8, **biases,
         )  # fmt: skip
+
+    def _peft_factors(self, name: str) -> tuple[torch.Tensor, ExpertAdapter] | None:
+        """PEFT's LoRA on this weight (``LoraConfig(target_parameters=[...])``: its ``ParamWrapper``
+        parametrizes the weight as ``W + scaling * lhs @ rhs`` while this module's forward runs), as
+        the plain weight and an adapter the experts apply to the activations: the same function,
+        without forming the adapted [E, out, in] weight or its gradient. None for any other
+        parametrization (it is then read as the parametrized weight)."""
+        if not parametrize.is_parametrized(self, name):
+            return None
+        chain = self.parametrizations[name]
+        if len(chain) != 1 or type(chain[0]).__name__ != "_LoraFactorsProxy":
+            return None
+        factors = chain[0]
+        lhs, rhs = factors.lhs, factors.rhs  # the stored layout's delta is lhs @ rhs
+        if self.is_transposed:  # [E, in, out]: the [E, out, in] delta is rhs^T @ lhs^T
+            return chain.original, ExpertAdapter(lhs.transpose(-2, -1), rhs.transpose(-2, -1), float(factors.scaling))
+        return chain.original, ExpertAdapter(rhs, lhs, float(factors.scaling))
 
     def _activate(self, h_NX: torch.Tensor, num_valid: torch.Tensor | None = None) -> torch.Tensor:
         if self.activation == "clamped_swiglu":

@@ -121,7 +121,8 @@ def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: t
     the caller), in train mode. ``sharding`` (moetune's ``ep_size`` / ``ep_overlap_chunks`` /
     ``lora`` / ``reduce_dtype`` options) returns a model already sharded over the ranks, each reading
     only its own weights."""
-    kwargs = {"dtype": dtype}
+    # The recipe's own step decides about CUDA graphs (training.cuda_graph: the whole step, optimizer included).
+    kwargs = {"dtype": dtype, "cuda_graphs": False}
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation
     if config.experts_backend != "auto":  # MoE models only: from_pretrained refuses it for others by name
