@@ -157,7 +157,9 @@ def _check_script(words: list[str], env: dict[str, str]) -> None:
         given = {w.split("=", 1)[0] for w in words[script_index + 1 :] if w.startswith("--")}
         assert given <= flags, f"{script.name} has no {sorted(given - flags)}"
     if script.suffix == ".sh" and "STAGES" in env:
-        stages = set(re.findall(r"\bstage (\w+)", script.read_text()))
+        # Stages as `if stage NAME` (run_h200.sh) or as the labels of `case $stage in NAME)` (user_scripts/run_gpu.sh).
+        text = script.read_text()
+        stages = set(re.findall(r"\bstage (\w+)", text)) | set(re.findall(r"^\s*(\w+)\)\s*$", text, re.M))
         assert set(env["STAGES"].split()) <= stages, f"{script.name} has no stage {set(env['STAGES'].split()) - stages}"
 
 
