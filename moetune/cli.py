@@ -6,6 +6,7 @@
     moetune finetune --help-config                     # every config field, its default and doc
     moetune finetune --help                            # the command's own options
     moetune bench --layers 8 --routing both            # side by side with Transformers v5 (GPU)
+    moetune plan deepseek_v3 --nodes 16 --gpu h100     # the settings, memory and step time, before a run
 """
 
 from __future__ import annotations
@@ -94,9 +95,16 @@ def bench_main(argv: list[str]) -> int:
     return run_bench(argv)
 
 
+def plan_main(argv: list[str]) -> int:
+    """``moetune plan``: size a run before it starts (moetune/plan)."""
+    from moetune.plan.cli import main as run_plan
+
+    return run_plan(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {"finetune": finetune_main, "bench": bench_main}
+    commands = {"finetune": finetune_main, "bench": bench_main, "plan": plan_main}
     if not argv or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr)
         return 2
