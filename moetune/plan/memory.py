@@ -49,6 +49,8 @@ class MemoryBreakdown:
     """All of this rank's gradients (at the end of the backward)."""
     peak_stage: str
     """Where in the step the peak falls ("forward end", "backward of layer N", "backward end")."""
+    activations_max: float = 0.0
+    """The most activation memory at any point of the step (at the peak there may be less)."""
 
     @property
     def peak(self) -> float:
@@ -63,10 +65,9 @@ class MemoryBreakdown:
 
 def precision_bytes(request: PlanRequest) -> tuple[int | None, int]:
     """(bytes per parameter / gradient / optimizer element, None: each parameter's own dtype; bytes per
-    activation element). ``fp32_master`` keeps everything in fp32 and computes in bf16."""
-    if request.gpu == "cpu" and request.precision == "fp32_master":
-        return 4, 4
-    return (4 if request.precision == "fp32_master" else None), 2
+    activation element). ``fp32_master`` keeps the state in fp32 and computes in bf16; ``fp32`` computes
+    in fp32 too. (The inventory of an fp32 run is built in fp32, so None gives 4 there.)"""
+    return None, 4 if request.precision == "fp32" else 2
 
 
 def layout_for(request: PlanRequest, setting: Setting) -> Layout:
@@ -142,14 +143,14 @@ def memory_breakdown(inventory: Inventory, request: PlanRequest, setting: Settin
     # and lends nothing to other allocations.
     pool = 0.0
     if setting.cuda_graph and calibration is not None:
-        pool = (calibration["cuda_graph_pool_factor"] - 1.0) * max(s[1] for s in stages)
+        pool = (calibration["cuda_graph_pool_factor"] - 1.0) * max(stage[1] for stage in stages)
     reserve = 0.0
     if calibration is not None:
         reserve = calibration["cuda_context_gib"] * GIB + calibration["allocator_fragmentation"] * peak
     optimizer = state.optimizer if (not first_step or label == "optimizer step") else 0.0
     return MemoryBreakdown(parameters=state.params_allocated + state.buffers, gradients=grads, optimizer=optimizer,
                            activations=acts, communication=comm, cuda_graph_pool=pool, reserve=reserve,
-                           gradients_total=grads_all, peak_stage=label)
+                           gradients_total=grads_all, peak_stage=label, activations_max=max(s[1] for s in stages))
 
 
 def _dispatch_bytes(layer, setting: Setting, act_bytes: int, rows: float | None) -> tuple[float, float]:

@@ -20,7 +20,8 @@ MEMORY_LABELS = {
 def memory_dict(memory: MemoryBreakdown) -> dict[str, Any]:
     parts = {name: round(getattr(memory, name) / GIB, 3) for name in MEMORY_PARTS}
     return {"gib": parts, "peak_allocated_gib": round(memory.peak / GIB, 3), "total_gib": round(memory.total / GIB, 3),
-            "gradients_total_gib": round(memory.gradients_total / GIB, 3), "peak_stage": memory.peak_stage}
+            "gradients_total_gib": round(memory.gradients_total / GIB, 3),
+            "activations_max_gib": round(memory.activations_max / GIB, 3), "peak_stage": memory.peak_stage}
 
 
 def time_dict(time: TimeBreakdown | None, peak_tflops: float | None) -> dict[str, Any] | None:
@@ -95,14 +96,23 @@ def assumptions(plan: Plan) -> list[str]:
 
 
 def _gib(value: float) -> str:
+    if value and value < GIB / 10:
+        return f"{value / 1024**2:7.1f} MiB"
     return f"{value / GIB:7.1f} GiB"
+
+
+def _count(n: float) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
 
 
 def format_plan(plan: Plan, *, alternatives: int = 3) -> str:
     r, best, inventory = plan.request, plan.best, plan.inventory
     lines = [
-        f"moetune plan: {plan.model_name} ({inventory.total_params / 1e9:.1f}B parameters, "
-        f"{inventory.trainable_params / 1e9:.3g}B trainable, {len(inventory.layers)} layers, "
+        f"moetune plan: {plan.model_name} ({_count(inventory.total_params)} parameters, "
+        f"{_count(inventory.trainable_params)} trainable, {len(inventory.layers)} layers, "
         f"{inventory.num_experts} experts) on {r.nodes} x {r.gpus_per_node} {plan.gpu}"
         + ("" if plan.gpu_memory is None else f" ({plan.gpu_memory / GIB:.1f} GiB)"),
         f"  sequence {r.seq_len}, {'LoRA rank ' + str(r.lora_rank) if r.lora_rank else 'full fine-tuning'}, "

@@ -3,11 +3,14 @@ fastest that fits; and, when none fits, what would (recomputation, LoRA, more GP
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import torch
 
+from moetune.bench.models import with_layers
 from moetune.plan.calibration import Calibration, load_calibration
 from moetune.plan.inventory import Inventory, build_inventory
 from moetune.plan.memory import GIB, MemoryBreakdown, memory_breakdown
@@ -50,8 +53,10 @@ class Plan:
         return self.best.fits
 
 
-def make_plan(request: PlanRequest, *, suggest: bool = True) -> Plan:
-    name, inventory = _inventory(request.model, request.layers, request.lora_rank, request.precision)
+def make_plan(request: PlanRequest, *, config: Any = None, setting: Setting | None = None, suggest: bool = True) -> Plan:
+    """The plan of ``request``: every setting it can run with (or only ``setting``), the best first.
+    ``config``: the model's config object, instead of reading ``request.model`` (a name then)."""
+    name, inventory = _inventory_for(request, config)
     calibration = None if request.gpu == "cpu" else load_calibration(request.gpu)
     gpu_memory = None
     if calibration is not None:
@@ -59,7 +64,7 @@ def make_plan(request: PlanRequest, *, suggest: bool = True) -> Plan:
     elif request.gpu_memory_gib:
         gpu_memory = request.gpu_memory_gib * GIB
     candidates = []
-    for setting in settings_for(request, inventory):
+    for setting in [setting] if setting is not None else settings_for(request, inventory):
         memory = memory_breakdown(inventory, request, setting, calibration)
         time = step_time(inventory, request, setting, calibration) if calibration is not None else None
         fits = gpu_memory is None or memory.total <= gpu_memory
@@ -70,7 +75,7 @@ def make_plan(request: PlanRequest, *, suggest: bool = True) -> Plan:
     plan = Plan(request=request, model_name=name, inventory=inventory, gpu=calibration.gpu if calibration else "cpu",
                 gpu_memory=gpu_memory, candidates=candidates, calibration=calibration)
     if suggest and not plan.fits:
-        plan.suggestions = what_would_fit(request)
+        plan.suggestions = what_would_fit(request, config=config)
     return plan
 
 
@@ -83,16 +88,33 @@ def _rank(candidate: Candidate) -> tuple:
     return (not candidate.fits, speed if candidate.fits else candidate.memory.total, candidate.memory.total)
 
 
+def _inventory_for(request: PlanRequest, config: Any) -> tuple[str, Inventory]:
+    key = (request.layers, request.lora_rank, request.lora_targets, request.lora_experts, request.precision)
+    if config is None:
+        return _inventory(request.model, *key)
+    return request.model, _build(request.model, config, *key)
+
+
 @lru_cache(maxsize=32)
-def _inventory(model: str, layers: int | None, lora_rank: int, precision: str) -> tuple[str, Inventory]:
+def _inventory(model: str, layers: int | None, lora_rank: int, lora_targets: tuple[str, ...], lora_experts: bool,
+               precision: str) -> tuple[str, Inventory]:
     name, config = resolve_model(model, layers=layers)
+    return name, _build(name, config, None, lora_rank, lora_targets, lora_experts, precision)
+
+
+def _build(name: str, config: Any, layers: int | None, lora_rank: int, lora_targets: tuple[str, ...],
+           lora_experts: bool, precision: str) -> Inventory:
+    if layers is not None:
+        config = with_layers(copy.deepcopy(config), layers)
     lora = None
     if lora_rank:
         from moetune.bench.lora import lora_settings
+        from moetune.lora import LoraSettings
 
-        lora = lora_settings(lora_rank, None, config)
-    dtype = torch.float32 if precision == "fp32_master" else torch.bfloat16
-    return name, build_inventory(name, config, lora=lora, dtype=dtype)
+        targets = list(lora_targets) or lora_settings(lora_rank, None, config).target_modules
+        lora = LoraSettings(rank=lora_rank, target_modules=targets, target_experts=lora_experts)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    return build_inventory(name, config, lora=lora, dtype=dtype)
 
 
 def ep_choices(request: PlanRequest, inventory: Inventory) -> list[int]:
@@ -160,13 +182,13 @@ def _no_setting_reason(request: PlanRequest, inventory: Inventory) -> str:
     return "no setting matches the request"
 
 
-def what_would_fit(request: PlanRequest) -> list[str]:
+def what_would_fit(request: PlanRequest, *, config: Any = None) -> list[str]:
     """Changes to ``request`` that make it fit, each with the memory it then needs."""
     found = []
 
     def attempt(label: str, changed: PlanRequest) -> bool:
         try:
-            plan = make_plan(changed, suggest=False)
+            plan = make_plan(changed, config=config, suggest=False)
         except ValueError:
             return False
         if plan.fits:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 RECOMPUTE = ("auto", "none", "selective", "full")
-PRECISIONS = ("bf16", "fp32_master")
+PRECISIONS = ("bf16", "fp32_master", "fp32")
 """``bf16``: bf16 parameters, gradients and AdamW states (``training.precision: bf16``, the published
-runs); ``fp32_master``: fp32 parameters, gradients and states with bf16 compute (``bf16_autocast``)."""
+runs); ``fp32_master``: fp32 parameters, gradients and states with bf16 compute (``bf16_autocast``);
+``fp32``: everything in fp32 (the recipe's default on CPU)."""
 ROUTING = ("real", "balanced")
 
 
@@ -28,6 +29,10 @@ class PlanRequest:
     """Sequences per optimizer step over all GPUs; None: one micro-batch per GPU (no accumulation)."""
     lora_rank: int = 0
     """0: full fine-tuning; R: LoRA of rank R on the attention projections and every expert."""
+    lora_targets: tuple[str, ...] = ()
+    """LoRA's ``target_modules`` (name suffixes); empty: the attention projections the model has."""
+    lora_experts: bool = True
+    """LoRA on every expert's weights (``target_experts``)."""
     fp8: bool = False
     """FP8 GEMMs (an assumption until measured: calibration ``fp8_*``)."""
     recompute: str = "auto"

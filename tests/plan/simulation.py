@@ -19,7 +19,6 @@ from moetune.checkpoint.files import TensorInfo
 from moetune.checkpoint.loader import local_block, model_tensor_shapes
 from moetune.distributed.mesh import MESH_DIM_NAMES, ParallelMesh, _flat
 from moetune.distributed.parallelize import ParallelConfig, parallelize
-from moetune.flops import meta_model
 from moetune.plan.inventory import meta_training_model
 from moetune.plan.sharding import Layout
 
@@ -82,7 +81,7 @@ def fsdp_allocated(model: nn.Module) -> dict[str, int]:
 def hub_tensors(config, layout_of_checkpoint) -> dict[str, TensorInfo]:
     """The tensors a Hub checkpoint of ``config`` holds (per-expert where the family stores experts
     one by one), as ``moetune.checkpoint.files`` lists them from the headers, without any file."""
-    model = meta_model(config)
+    model = meta_training_model(config)
     file = Path("model.safetensors")
     tensors = {}
     for name, shape in model_tensor_shapes(model).items():
@@ -96,10 +95,11 @@ def read_elements(model: nn.Module, items) -> dict[str, int]:
     overlap of each block with what the rank holds)."""
     from moetune.checkpoint.loader import _overlap
 
-    params = dict(model.named_parameters())
+    targets = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # as load_checkpoint's
+    blocks = {name: local_block(tensor) for name, tensor in targets.items()}  # (DTensor offsets are slow to compute)
     counts: dict[str, int] = {}
     for item in items:
-        local, offset = local_block(params[item.region.param])
+        local, offset = blocks[item.region.param]
         slices = _overlap(item.region, local, offset, len(item.info.shape))
         if slices is None:
             continue
