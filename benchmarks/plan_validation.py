@@ -36,11 +36,11 @@ MAMBA_LORA = "LoRA on Nemotron-H: its step is 27 ms shorter than full fine-tunin
 # (file under benchmarks/results, which row, the setting) -- the numbers are read from the file.
 RECORDED = [
     # One H200, graphed steps, seq 4096 (the recipe's fastest full fine-tuning path).
-    ("session16/qwen3-30b-a3b-8l_h200_20261201T033911Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h200", cuda_graph=True, fitted=("membound_traffic",))),
+    ("session16/qwen3-30b-a3b-8l_h200_20261201T033911Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h200", cuda_graph=True, fitted=("membound_traffic", "cuda_graph_pool_factor"))),
     ("session20/qwen3-30b-a3b-16l_h200_20261204T192325Z.json", "real", dict(model="qwen3_30b_a3b", layers=16, gpu="h200", cuda_graph=True)),
-    ("session17/gpt-oss-20b-6l_h200_20261201T044518Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h200", cuda_graph=True)),
-    ("session17/moonlight-16b-a3b-8l_h200_20261201T044703Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h200", cuda_graph=True)),
-    ("session17/nemotron-3-nano-30b-a3b-8l_h200_20261201T044109Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h200", cuda_graph=True, fitted=("mamba_scan_us_per_token",))),
+    ("session17/gpt-oss-20b-6l_h200_20261201T044518Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h200", cuda_graph=True, fitted=("cuda_graph_pool_factor",))),
+    ("session17/moonlight-16b-a3b-8l_h200_20261201T044703Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h200", cuda_graph=True, fitted=("cuda_graph_pool_factor",))),
+    ("session17/nemotron-3-nano-30b-a3b-8l_h200_20261201T044109Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h200", cuda_graph=True, fitted=("mamba_scan_us_per_token", "cuda_graph_pool_factor"))),
     # One H200, eager steps (Qwen3's last eager one-GPU run predates the kernels of later sessions).
     ("session16/gpt-oss-20b-6l_h200_20261201T033744Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h200")),
     ("session16/moonlight-16b-a3b-8l_h200_20261201T033810Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h200", fitted=("eager_idle_ms_per_layer",))),
