@@ -20,8 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moetune.plan import PlanRequest, format_plan, make_plan, plan_to_dict  # noqa: E402
-from moetune.plan.memory import GIB  # noqa: E402
+from moetune.plan import PlanRequest, format_plan, make_plan, plan_to_dict
+from moetune.plan.memory import GIB
 
 H100 = dict(gpu="h100", gpus_per_node=8, seq_len=4096, micro_batch=1)
 SEEDS = {

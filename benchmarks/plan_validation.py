@@ -25,7 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from moetune.plan.validation import Measured, predict  # noqa: E402
+from moetune.plan.validation import Measured, predict
 
 RESULTS = REPO / "benchmarks" / "results"
 

@@ -23,7 +23,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moetune.plan.inventory import AttentionShape, DenseMLPShape, Inventory, LayerShape, MambaShape, MoEShape
+from moetune.plan.inventory import (
+    AttentionShape,
+    DenseMLPShape,
+    Inventory,
+    LayerShape,
+    MambaShape,
+    MoEShape,
+)
 
 MODES = ("none", "selective", "full")
 FP32 = 4

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +50,7 @@ def known_gpus() -> dict[str, Path]:
     return found
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_calibration(gpu: str) -> Calibration:
     """The calibration of ``gpu`` (``h100``, ``h200``, or a ``torch.cuda.get_device_name`` string)."""
     files = known_gpus()

@@ -28,7 +28,13 @@ from moetune.plan.activations import head_activations, layer_activations
 from moetune.plan.calibration import Calibration
 from moetune.plan.inventory import EMBED_GROUP, ROOT_GROUP, Inventory
 from moetune.plan.setting import PlanRequest, Setting
-from moetune.plan.sharding import Layout, fsdp_wraps_experts, local_block, rank_state, vocab_param_names
+from moetune.plan.sharding import (
+    Layout,
+    fsdp_wraps_experts,
+    local_block,
+    rank_state,
+    vocab_param_names,
+)
 
 GIB = 1024**3
 

@@ -10,6 +10,9 @@ from moetune.plan.search import Candidate, Plan
 from moetune.plan.throughput import TimeBreakdown
 
 MEMORY_PARTS = ("parameters", "gradients", "optimizer", "activations", "communication", "cuda_graph_pool", "reserve")
+TIME_LABELS = (("dense GEMMs", "dense_gemm"), ("experts", "experts"), ("attention", "attention"),
+               ("scans/routers", "other_compute"), ("memory-bound", "memory_bound"), ("communication", "communication"),
+               ("host", "host_idle"), ("optimizer", "optimizer"))
 MEMORY_LABELS = {
     "parameters": "parameters", "gradients": "gradients", "optimizer": "optimizer states", "activations": "activations",
     "communication": "communication buffers", "cuda_graph_pool": "CUDA-graph pool",
@@ -84,7 +87,8 @@ def assumptions(plan: Plan) -> list[str]:
     notes = ["memory: parameters, gradients and optimizer states are exact per rank (moetune's sharding, FSDP2's "
              "padding); activations and buffers are modelled per kernel (docs/planning.md)"]
     if plan.calibration is None:
-        notes.append("no GPU calibration (--gpu cpu): memory only, no step time, nothing refused")
+        notes.append("no GPU calibration (--gpu cpu, or a GPU type without one): memory only, without the reserve; "
+                     "no step time" + ("" if plan.gpu_memory else "; no GPU memory to fit"))
     else:
         notes.append(f"step time: calibrated on {plan.calibration.gpu} (moetune/plan/calibration/); real routing "
                      "unless --routing balanced")
@@ -110,11 +114,11 @@ def _count(n: float) -> str:
 
 def format_plan(plan: Plan, *, alternatives: int = 3) -> str:
     r, best, inventory = plan.request, plan.best, plan.inventory
+    memory = "" if plan.gpu_memory is None else f" ({plan.gpu_memory / GIB:.1f} GiB)"
     lines = [
         f"moetune plan: {plan.model_name} ({_count(inventory.total_params)} parameters, "
         f"{_count(inventory.trainable_params)} trainable, {len(inventory.layers)} layers, "
-        f"{inventory.num_experts} experts) on {r.nodes} x {r.gpus_per_node} {plan.gpu}"
-        + ("" if plan.gpu_memory is None else f" ({plan.gpu_memory / GIB:.1f} GiB)"),
+        f"{inventory.num_experts} experts) on {r.nodes} x {r.gpus_per_node} {plan.gpu}{memory}",
         f"  sequence {r.seq_len}, {'LoRA rank ' + str(r.lora_rank) if r.lora_rank else 'full fine-tuning'}, "
         f"{r.precision}" + (", FP8 (assumed)" if r.fp8 else ""),
     ]
@@ -141,10 +145,7 @@ def format_plan(plan: Plan, *, alternatives: int = 3) -> str:
             "",
             f"Step time {t.step * 1e3:.1f} ms: {t.tokens_per_s:,.0f} tokens/s/GPU, "
             f"{t.tokens_per_s * t.flops_per_token / 1e12:.0f} TFLOP/s/GPU, MFU {100 * t.mfu(peak):.1f}% of {peak:.0f}",
-            "  " + ", ".join(f"{label} {getattr(t, name) * 1e3:.1f}" for label, name in (
-                ("dense GEMMs", "dense_gemm"), ("experts", "experts"), ("attention", "attention"),
-                ("scans/routers", "other_compute"), ("memory-bound", "memory_bound"),
-                ("communication", "communication"), ("host", "host_idle"), ("optimizer", "optimizer"))) + " ms",
+            "  " + ", ".join(f"{label} {getattr(t, name) * 1e3:.1f}" for label, name in TIME_LABELS) + " ms",
         ]
     if plan.suggestions:
         lines += ["", "Does not fit. What would:"] + [f"  - {text}" for text in plan.suggestions]

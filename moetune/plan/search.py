@@ -64,11 +64,11 @@ def make_plan(request: PlanRequest, *, config: Any = None, setting: Setting | No
     elif request.gpu_memory_gib:
         gpu_memory = request.gpu_memory_gib * GIB
     candidates = []
-    for setting in [setting] if setting is not None else settings_for(request, inventory):
-        memory = memory_breakdown(inventory, request, setting, calibration)
-        time = step_time(inventory, request, setting, calibration) if calibration is not None else None
+    for candidate in [setting] if setting is not None else settings_for(request, inventory):
+        memory = memory_breakdown(inventory, request, candidate, calibration)
+        time = step_time(inventory, request, candidate, calibration) if calibration is not None else None
         fits = gpu_memory is None or memory.total <= gpu_memory
-        candidates.append(Candidate(setting=setting, memory=memory, time=time, fits=fits))
+        candidates.append(Candidate(setting=candidate, memory=memory, time=time, fits=fits))
     if not candidates:
         raise ValueError(_no_setting_reason(request, inventory))
     candidates.sort(key=_rank)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from moetune.plan.memory import GIB, layout_for, memory_breakdown
 from moetune.plan.calibration import load_calibration
+from moetune.plan.memory import GIB, layout_for, memory_breakdown
 from moetune.plan.search import _inventory
 from moetune.plan.setting import PlanRequest, Setting
 from moetune.plan.sharding import rank_state

@@ -23,9 +23,22 @@ from moetune.moe import GroupedExperts
 from moetune.optim import AdamW
 from moetune.plan.inventory import build_inventory, meta_training_model
 from moetune.plan.model_spec import resolve_model
-from moetune.plan.sharding import Layout, all_blocks, local_block, rank_state, tiles_exactly_once, vocab_param_names
+from moetune.plan.sharding import (
+    Layout,
+    all_blocks,
+    local_block,
+    rank_state,
+    tiles_exactly_once,
+    vocab_param_names,
+)
 from tests.plan.simulation import (
-    comparable, fake_world, fsdp_allocated, held_blocks, hub_tensors, parallelized_model, read_elements,
+    comparable,
+    fake_world,
+    fsdp_allocated,
+    held_blocks,
+    hub_tensors,
+    parallelized_model,
+    read_elements,
 )
 
 GPUS_PER_NODE = 8
@@ -89,7 +102,7 @@ def test_every_rank_holds_what_the_planner_says(case, setups):
             _check_mesh(model, layout, rank)
             optimizer = _optimizer_states_on_meta(model)
             read = read_elements(model, items)
-        params = dict((p.name, p) for p in inventory.params)
+        params = {p.name: p for p in inventory.params}
         assert set(blocks) == set(params), "the planner's inventory lists the model's parameters"
         for name, param in params.items():
             planned = local_block(param, layout, rank, vocab_params=vocab)

@@ -13,7 +13,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import plan_validation  # noqa: E402
+import plan_validation
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_the_gpu_script_runs_end_to_end_on_cpu():
     run = subprocess.run(
         [sys.executable, "benchmarks/plan_validation.py", "--device", "cpu", "--models", "tiny:2", "--settings",
          "64:selective"],
-        capture_output=True, text=True, cwd=REPO, timeout=600,
+        capture_output=True, text=True, cwd=REPO, timeout=600, check=False,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     table = [line for line in run.stdout.splitlines() if line.startswith("| tiny (2)")]

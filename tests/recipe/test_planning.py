@@ -10,8 +10,8 @@ import pytest
 
 from moetune.cli import main
 from moetune.recipe import train
-from moetune.recipe.planning import JobShape, check_job_fits, plan_job
 from moetune.recipe.model_loading import load_model_config
+from moetune.recipe.planning import JobShape, check_job_fits, plan_job
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -88,4 +88,4 @@ def test_on_cpu_the_plan_is_printed_and_nothing_is_refused(tiny_job, capsys):
     cpu = JobShape(world=1, gpus_per_node=1, gpu="cpu", gpu_memory_gib=None, cuda_graph=False)
     check_job_fits(config, load_model_config(config.model), cpu, announce=print)
     printed = capsys.readouterr().out
-    assert "moetune plan:" in printed and "memory only" in printed
+    assert "moetune plan:" in printed and "memory only" in printed and "no GPU memory to fit" in printed
