@@ -91,13 +91,15 @@ def _rank(candidate: Candidate) -> tuple:
 def _inventory_for(request: PlanRequest, config: Any) -> tuple[str, Inventory]:
     key = (request.layers, request.lora_rank, request.lora_targets, request.lora_experts, request.precision)
     if config is None:
-        return _inventory(request.model, *key)
+        return cached_inventory(request.model, *key)
     return request.model, _build(request.model, config, *key)
 
 
 @lru_cache(maxsize=32)
-def _inventory(model: str, layers: int | None, lora_rank: int, lora_targets: tuple[str, ...], lora_experts: bool,
-               precision: str) -> tuple[str, Inventory]:
+def cached_inventory(model: str, layers: int | None, lora_rank: int, lora_targets: tuple[str, ...], lora_experts: bool,
+                     precision: str) -> tuple[str, Inventory]:
+    """(short name, inventory) of a model named by a string (shipped name or path), kept for reuse:
+    the suggestions and the validation plan the same model many times."""
     name, config = resolve_model(model, layers=layers)
     return name, _build(name, config, None, lora_rank, lora_targets, lora_experts, precision)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from moetune.plan.calibration import load_calibration
 from moetune.plan.memory import GIB, layout_for, memory_breakdown
-from moetune.plan.search import _inventory
+from moetune.plan.search import cached_inventory
 from moetune.plan.setting import PlanRequest, Setting
 from moetune.plan.sharding import rank_state
 from moetune.plan.throughput import step_time
@@ -48,7 +48,7 @@ def predict(m: Measured) -> dict[str, Any]:
     request = PlanRequest(model=m.model, gpus_per_node=m.world, nodes=1, gpu=m.gpu, seq_len=m.seq_len,
                           micro_batch=m.micro_batch, layers=m.layers, lora_rank=m.lora_rank, recompute=m.recompute,
                           ep=m.world, clip_grad=False)
-    _, inventory = _inventory(m.model, m.layers, m.lora_rank, (), True, "bf16")
+    _, inventory = cached_inventory(m.model, m.layers, m.lora_rank, (), True, "bf16")
     setting = Setting(ep=m.world, dense_parallel=m.dense_parallel, ep_dispatch=m.ep_dispatch, recompute=m.recompute,
                       micro_batch=m.micro_batch, grad_accum=1, cuda_graph=m.cuda_graph)
     calibration = load_calibration(m.gpu)

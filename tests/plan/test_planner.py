@@ -11,7 +11,7 @@ from moetune.cli import main
 from moetune.plan import PlanRequest, Setting, make_plan, plan_to_dict
 from moetune.plan.calibration import load_calibration
 from moetune.plan.memory import GIB, memory_breakdown
-from moetune.plan.search import _inventory
+from moetune.plan.search import cached_inventory
 from moetune.plan.throughput import step_time
 
 REPO = Path(__file__).resolve().parents[2]
@@ -72,7 +72,7 @@ def test_the_chosen_setting_is_the_fastest_that_fits():
 
 def test_checkpointing_trades_memory_for_time():
     request = PlanRequest(model="qwen3_30b_a3b", gpus_per_node=1, gpu="h100", micro_batch=1, layers=8)
-    _, inventory = _inventory(request.model, 8, 0, (), True, "bf16")
+    _, inventory = cached_inventory(request.model, 8, 0, (), True, "bf16")
     calibration = load_calibration("h100")
     results = {mode: (memory_breakdown(inventory, request, _setting(ep=1, recompute=mode), calibration),
                       step_time(inventory, request, _setting(ep=1, recompute=mode), calibration))
@@ -90,7 +90,7 @@ def test_more_ranks_hold_less_and_lora_holds_less_than_full_fine_tuning():
     sizes = {}
     for nodes in (2, 4, 8):
         request = PlanRequest(model="kimi_k2", gpus_per_node=8, nodes=nodes, gpu="h200", micro_batch=1)
-        _, inventory = _inventory(request.model, 4, 0, (), True, "bf16")
+        _, inventory = cached_inventory(request.model, 4, 0, (), True, "bf16")
         m = memory_breakdown(inventory, request, _setting(ep=16), calibration)
         sizes[nodes] = m.parameters + m.optimizer + m.gradients_total
     assert sizes[2] > sizes[4] > sizes[8]
@@ -153,7 +153,7 @@ def test_config_json_and_hub_folders_are_read_kimi_k2_as_deepseek_v3(tmp_path, c
 
 def test_the_brief_flop_count_is_the_sum_of_the_planner_parts():
     """The time model splits the brief's FLOPs per token into dense GEMMs, experts and attention."""
-    _, inventory = _inventory("gpt_oss_20b", None, 0, (), True, "bf16")
+    _, inventory = cached_inventory("gpt_oss_20b", None, 0, (), True, "bf16")
     seq = 8192
     attention = 0.0
     for layer in inventory.layers:
