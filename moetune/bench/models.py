@@ -43,6 +43,19 @@ def load_config(name_or_path: str, *, layers: int | None = None) -> tuple[str, t
 
     Returns (short name for result files, config with ``num_hidden_layers`` overridden by ``layers``).
     """
+    path = config_path(name_or_path, what="--config")
+    model_type = json.loads(path.read_text()).get("model_type")
+    if model_type not in HF_ROUTERS:
+        raise ValueError(f"moetune bench supports the model types moetune implements ({', '.join(HF_ROUTERS)}), got {model_type!r}")
+    config = transformers.AutoConfig.from_pretrained(str(path))  # Transformers' reader (e.g. its encoding of inf)
+    with_layers(config, layers)
+    config.use_cache = False
+    return short_name(path), config
+
+
+def config_path(name_or_path: str, *, what: str) -> Path:
+    """The config.json of a shipped config name, a config.json or a folder holding one; ``what`` names
+    the argument in the error."""
     path = Path(name_or_path)
     shipped = CONFIGS_DIR / f"{name_or_path}.json"
     if shipped.is_file():
@@ -51,24 +64,30 @@ def load_config(name_or_path: str, *, layers: int | None = None) -> tuple[str, t
         path = path / "config.json"
     if not path.is_file():
         known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
-        raise ValueError(f"--config {name_or_path!r}: neither a shipped config ({', '.join(known)}) nor a config.json")
-    model_type = json.loads(path.read_text()).get("model_type")
-    if model_type not in HF_ROUTERS:
-        raise ValueError(f"moetune bench supports the model types moetune implements ({', '.join(HF_ROUTERS)}), got {model_type!r}")
-    config = transformers.AutoConfig.from_pretrained(str(path))  # Transformers' reader (e.g. its encoding of inf)
-    if layers is not None:
-        if layers < 1:
-            raise ValueError(f"--layers must be >= 1, got {layers}")
-        if isinstance(getattr(config, "layer_types", None), list):
-            # Per-layer kinds (GPT-OSS's sliding / full attention, Nemotron-H's pattern, where the
-            # list's length is the number of layers): the first ``layers`` of them.
-            config.layer_types = config.layer_types[:layers]
-        config.num_hidden_layers = layers
-        if hasattr(config, "max_window_layers"):
-            config.max_window_layers = min(config.max_window_layers, layers)
-    config.use_cache = False
+        raise ValueError(f"{what} {name_or_path!r}: neither a shipped config ({', '.join(known)}) nor a config.json")
+    return path
+
+
+def short_name(path: Path) -> str:
+    """``qwen3-30b-a3b`` for a shipped config's file, the folder's name for a config.json."""
     name = path.stem if path.name != "config.json" else path.parent.name
-    return name.replace("_", "-"), config
+    return name.replace("_", "-")
+
+
+def with_layers(config: transformers.PretrainedConfig, layers: int | None) -> transformers.PretrainedConfig:
+    """``config`` cut to its first ``layers`` layers, in place (None: unchanged)."""
+    if layers is None:
+        return config
+    if layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {layers}")
+    if isinstance(getattr(config, "layer_types", None), list):
+        # Per-layer kinds (GPT-OSS's sliding / full attention, Nemotron-H's pattern, where the
+        # list's length is the number of layers): the first ``layers`` of them.
+        config.layer_types = config.layer_types[:layers]
+    config.num_hidden_layers = layers
+    if hasattr(config, "max_window_layers"):
+        config.max_window_layers = min(config.max_window_layers, layers)
+    return config
 
 
 # Transformers' router class of each family, patched for the balanced gate (module, class name).

@@ -160,6 +160,10 @@ class TrainingConfig:
     "bf16_autocast" trains as the eager step on an H200 (GPU test)."""
     val_every: int = 250
     """Validation loss every this many steps (0: only at the end)."""
+    plan_check: bool = True
+    """Print the job's plan (``moetune plan``: memory per GPU by part, step time) before anything is
+    loaded, and on GPUs refuse a job whose planned memory exceeds the GPU's (false: print only).
+    Not on CPU, where there is no GPU memory to check (moetune/recipe/planning.py)."""
     output_dir: str = "outputs/default"
     """Where checkpoints, metrics, plots and the final Hugging Face export go. A new run refuses one
     that holds checkpoints (resume them, or pick another folder); an earlier run's metrics.jsonl is

@@ -27,6 +27,7 @@ from moetune.recipe.model_loading import (
     build_model, check_model_for_job, check_weight_files, load_model_config, load_tokenizer, model_fingerprint,
 )
 from moetune.recipe.packing import Batch, BatchStream, check_resumable, fixed_batches, max_documents_per_row
+from moetune.recipe.planning import check_job_fits, job_shape
 from moetune.recipe.profiling import StepProfiler
 from moetune.recipe.step import GraphedTrainStep, NonFiniteLossError, StepResult, train_step
 from moetune.training import set_learning_rate
@@ -153,6 +154,9 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
     check_weight_files(config.model)
     cuda_graph = uses_cuda_graph(config, runtime, takes_offsets=takes_offsets)
     _check_graph_sharding(config, runtime)
+    # The plan, before any data or weight is read: a job that cannot fit its GPUs stops here.
+    check_job_fits(config, model_config, job_shape(runtime, cuda_graph=cuda_graph),
+                   announce=lambda text: print(text, flush=True) if runtime.is_main else None)
     data = prepare_data(config.data, tokenizer, seed=config.training.seed)
     # Each rank reads and tokenizes on its own and takes its share of one order: the same samples
     # everywhere, or some are seen twice and others never (and unequal validation batches hang).
