@@ -33,63 +33,63 @@ HOST_BOUND = "eager LoRA: host-bound step time, not modelled"
 STALE = "commit 369c3fc: before this family's later kernels (its one-GPU step 1.2-1.3x faster since)"
 MAMBA_LORA = "LoRA on Nemotron-H: its step is 27 ms shorter than full fine-tuning against the 21 ms the model removes (the Mamba-2 scan's backward without weight gradients, not modelled)"
 
-# (file under benchmarks/results, which row, the setting) -- the numbers are read from the file.
+# (the results file, which row, the setting) -- the numbers are read from the file.
 RECORDED = [
     # One H200, graphed steps, seq 4096 (the recipe's fastest full fine-tuning path).
-    ("session16/qwen3-30b-a3b-8l_h200_20261201T033911Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h200", cuda_graph=True, fitted=("membound_traffic", "cuda_graph_pool_factor"))),
-    ("session20/qwen3-30b-a3b-16l_h200_20261204T192325Z.json", "real", dict(model="qwen3_30b_a3b", layers=16, gpu="h200", cuda_graph=True)),
-    ("session17/gpt-oss-20b-6l_h200_20261201T044518Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h200", cuda_graph=True, fitted=("cuda_graph_pool_factor",))),
-    ("session17/moonlight-16b-a3b-8l_h200_20261201T044703Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h200", cuda_graph=True, fitted=("cuda_graph_pool_factor",))),
-    ("session17/nemotron-3-nano-30b-a3b-8l_h200_20261201T044109Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h200", cuda_graph=True, fitted=("mamba_scan_us_per_token", "cuda_graph_pool_factor"))),
-    # One H200, eager steps (Qwen3's last eager one-GPU run predates the kernels of later sessions).
-    ("session16/gpt-oss-20b-6l_h200_20261201T033744Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h200")),
-    ("session16/moonlight-16b-a3b-8l_h200_20261201T033810Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h200", fitted=("eager_idle_ms_per_layer",))),
-    ("session16/nemotron-3-nano-30b-a3b-8l_h200_20261201T035816Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h200")),
+    ("benchmarks/results/h200_20261201_25717d9/qwen3-30b-a3b-8l_h200_20261201T033911Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h200", cuda_graph=True, fitted=("membound_traffic", "cuda_graph_pool_factor"))),
+    ("benchmarks/results/h200_20261204_75498da/qwen3-30b-a3b-16l_h200_20261204T192325Z.json", "real", dict(model="qwen3_30b_a3b", layers=16, gpu="h200", cuda_graph=True)),
+    ("benchmarks/results/h200_20261201_fcb068d/gpt-oss-20b-6l_h200_20261201T044518Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h200", cuda_graph=True, fitted=("cuda_graph_pool_factor",))),
+    ("benchmarks/results/h200_20261201_fcb068d/moonlight-16b-a3b-8l_h200_20261201T044703Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h200", cuda_graph=True, fitted=("cuda_graph_pool_factor",))),
+    ("benchmarks/results/h200_20261201_71b6702/nemotron-3-nano-30b-a3b-8l_h200_20261201T044109Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h200", cuda_graph=True, fitted=("mamba_scan_us_per_token", "cuda_graph_pool_factor"))),
+    # One H200, eager steps (Qwen3's last eager one-GPU run predates later kernels: 2026-12-01, commit 25717d9).
+    ("benchmarks/results/h200_20261201_25717d9/gpt-oss-20b-6l_h200_20261201T033744Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h200")),
+    ("benchmarks/results/h200_20261201_25717d9/moonlight-16b-a3b-8l_h200_20261201T033810Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h200", fitted=("eager_idle_ms_per_layer",))),
+    ("benchmarks/results/h200_20261201_3afe87d/nemotron-3-nano-30b-a3b-8l_h200_20261201T035816Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h200")),
     # One H100 (another card: its own calibration file, nothing fitted there).
-    ("h100_20261205_5b44751/rowA_quack/qwen3-30b-a3b-8l_h100_20261205T072731Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h100", cuda_graph=True)),
-    ("h100_20261205_5b44751/quackothers/gpt-oss-20b-6l_h100_20261205T071710Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h100", cuda_graph=True)),
-    ("h100_20261205_7c26750_fp32_router/moonlight-16b-a3b-8l_h100_20261205T074239Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h100", cuda_graph=True, note="commit 7c26750: router GEMM change, reverted")),
-    ("h100_20261205_5b44751/quackothers/nemotron-3-nano-30b-a3b-8l_h100_20261205T072001Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h100", cuda_graph=True)),
+    ("benchmarks/results/h100_20261205_5b44751/qwen3-30b-a3b-8l_h100_20261205T072731Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h100", cuda_graph=True)),
+    ("benchmarks/results/h100_20261205_5b44751/gpt-oss-20b-6l_h100_20261205T071710Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h100", cuda_graph=True)),
+    ("benchmarks/results/h100_20261205_7c26750/moonlight-16b-a3b-8l_h100_20261205T074239Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h100", cuda_graph=True, note="commit 7c26750: router GEMM change, reverted")),
+    ("benchmarks/results/h100_20261205_5b44751/nemotron-3-nano-30b-a3b-8l_h100_20261205T072001Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h100", cuda_graph=True)),
     # One H200, LoRA rank 16, graphed (the recipe's default for LoRA on one GPU): step time.
-    ("session18/lora16_graph_qwen3-30b-a3b-8l_h200_20261201T063437Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h200", lora_rank=16, cuda_graph=True)),
-    ("session18/lora16_graph_gpt-oss-20b-6l_h200_20261201T064124Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h200", lora_rank=16, cuda_graph=True)),
-    ("session18/lora16_graph_moonlight-16b-a3b-8l_h200_20261201T064054Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h200", lora_rank=16, cuda_graph=True)),
-    ("session18/lora16_graph_nemotron-3-nano-30b-a3b-8l_h200_20261201T064155Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h200", lora_rank=16, cuda_graph=True, note=MAMBA_LORA)),
+    ("benchmarks/results/h200_20261201_2aa9b59/lora16_graph_qwen3-30b-a3b-8l_h200_20261201T063437Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h200", lora_rank=16, cuda_graph=True)),
+    ("benchmarks/results/h200_20261201_0a767b4/lora16_graph_gpt-oss-20b-6l_h200_20261201T064124Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h200", lora_rank=16, cuda_graph=True)),
+    ("benchmarks/results/h200_20261201_0a767b4/lora16_graph_moonlight-16b-a3b-8l_h200_20261201T064054Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h200", lora_rank=16, cuda_graph=True)),
+    ("benchmarks/results/h200_20261201_0a767b4/lora16_graph_nemotron-3-nano-30b-a3b-8l_h200_20261201T064155Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h200", lora_rank=16, cuda_graph=True, note=MAMBA_LORA)),
     # One H200, LoRA rank 16, eager: the working memory (peak - state) is activations. (Eager LoRA
-    # steps wait for the host, benchmarks/README.md nineteenth session; the planner does not model it.)
-    ("session18/lora16_qwen3-30b-a3b-8l_h200_20261201T062933Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h200", lora_rank=16, note=HOST_BOUND)),
-    ("session18/lora16_gpt-oss-20b-6l_h200_20261201T063508Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h200", lora_rank=16, note=HOST_BOUND)),
-    ("session18/lora16_moonlight-16b-a3b-8l_h200_20261201T063638Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h200", lora_rank=16, note=HOST_BOUND)),
-    ("session18/lora16_nemotron-3-nano-30b-a3b-8l_h200_20261201T063535Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h200", lora_rank=16, note=HOST_BOUND)),
+    # steps wait for the host, benchmarks/README.md, 2026-12-01, commit 82e97e6; the planner does not model it.)
+    ("benchmarks/results/h200_20261201_65f2cf5/lora16_qwen3-30b-a3b-8l_h200_20261201T062933Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h200", lora_rank=16, note=HOST_BOUND)),
+    ("benchmarks/results/h200_20261201_2aa9b59/lora16_gpt-oss-20b-6l_h200_20261201T063508Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h200", lora_rank=16, note=HOST_BOUND)),
+    ("benchmarks/results/h200_20261201_2aa9b59/lora16_moonlight-16b-a3b-8l_h200_20261201T063638Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h200", lora_rank=16, note=HOST_BOUND)),
+    ("benchmarks/results/h200_20261201_2aa9b59/lora16_nemotron-3-nano-30b-a3b-8l_h200_20261201T063535Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h200", lora_rank=16, note=HOST_BOUND)),
     # Two H200s, ep=2 (rows B and its siblings).
-    ("session15/qwen3-30b-a3b-16l_2xh200_20261201T020527Z.json", "real", dict(model="qwen3_30b_a3b", layers=16, gpu="h200", world=2, cuda_graph=True, dense_parallel="replicate", ep_dispatch="allgather")),
-    ("session15/moonlight-16b-a3b-16l_2xh200_20261201T020415Z.json", "real", dict(model="moonlight_16b_a3b", layers=16, gpu="h200", world=2, cuda_graph=True, dense_parallel="replicate", ep_dispatch="allgather")),
-    ("session15/gpt-oss-20b-12l_2xh200_20261201T020451Z.json", "real", dict(model="gpt_oss_20b", layers=12, gpu="h200", world=2, cuda_graph=True, dense_parallel="replicate", ep_dispatch="allgather", note=STALE)),
-    ("session15/nemotron-3-nano-30b-a3b-16l_2xh200_20261201T020308Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=16, gpu="h200", world=2, cuda_graph=True, dense_parallel="replicate", ep_dispatch="allgather", note=STALE)),
-    ("session11_h200x2/eager_ep_settings_366db78/qwen3-30b-a3b-16l_2xh200_20261130T185743Z.json", "real", dict(model="qwen3_30b_a3b", layers=16, gpu="h200", world=2, dense_parallel="replicate", ep_dispatch="allgather", fitted=("eager_host_ms_per_layer",))),
-    ("session11_h200x2/eager_ep_settings_366db78/qwen3-30b-a3b-16l_2xh200_20261130T185914Z.json", "real", dict(model="qwen3_30b_a3b", layers=16, gpu="h200", world=2, fitted=("eager_host_ms_per_layer",), note="reduce_dtype bfloat16")),
+    ("benchmarks/results/2xh200_20261201_369c3fc/qwen3-30b-a3b-16l_2xh200_20261201T020527Z.json", "real", dict(model="qwen3_30b_a3b", layers=16, gpu="h200", world=2, cuda_graph=True, dense_parallel="replicate", ep_dispatch="allgather")),
+    ("benchmarks/results/2xh200_20261201_369c3fc/moonlight-16b-a3b-16l_2xh200_20261201T020415Z.json", "real", dict(model="moonlight_16b_a3b", layers=16, gpu="h200", world=2, cuda_graph=True, dense_parallel="replicate", ep_dispatch="allgather")),
+    ("benchmarks/results/2xh200_20261201_369c3fc/gpt-oss-20b-12l_2xh200_20261201T020451Z.json", "real", dict(model="gpt_oss_20b", layers=12, gpu="h200", world=2, cuda_graph=True, dense_parallel="replicate", ep_dispatch="allgather", note=STALE)),
+    ("benchmarks/results/2xh200_20261201_369c3fc/nemotron-3-nano-30b-a3b-16l_2xh200_20261201T020308Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=16, gpu="h200", world=2, cuda_graph=True, dense_parallel="replicate", ep_dispatch="allgather", note=STALE)),
+    ("benchmarks/results/2xh200_20261130_366db78/qwen3-30b-a3b-16l_2xh200_20261130T185743Z.json", "real", dict(model="qwen3_30b_a3b", layers=16, gpu="h200", world=2, dense_parallel="replicate", ep_dispatch="allgather", fitted=("eager_host_ms_per_layer",))),
+    ("benchmarks/results/2xh200_20261130_366db78/qwen3-30b-a3b-16l_2xh200_20261130T185914Z.json", "real", dict(model="qwen3_30b_a3b", layers=16, gpu="h200", world=2, fitted=("eager_host_ms_per_layer",), note="reduce_dtype bfloat16")),
 ]
 
 # The longest-sequence probes: one step per length, activation checkpointing (full) on.
 PROBES = [
-    ("qwen3-30b-a3b-8l-probe_h200_20261130T033053Z.json", dict(model="qwen3_30b_a3b", layers=8)),
-    ("session19/gpt-oss-20b-6l-probe_h200_20261201T104821Z.json", dict(model="gpt_oss_20b", layers=6)),
-    ("session19/moonlight-16b-a3b-8l-probe_h200_20261201T105836Z.json", dict(model="moonlight_16b_a3b", layers=8)),
-    ("session19/nemotron-3-nano-30b-a3b-8l-probe_h200_20261201T105010Z.json", dict(model="nemotron_3_nano_30b_a3b", layers=8)),
-    ("session19/nemotron-3-nano-30b-a3b-8l-probe_h200_20261201T111833Z.json", dict(model="nemotron_3_nano_30b_a3b", layers=8)),
+    ("benchmarks/results/h200_20261130_1d2f8a8/qwen3-30b-a3b-8l-probe_h200_20261130T033053Z.json", dict(model="qwen3_30b_a3b", layers=8)),
+    ("benchmarks/results/h200_20261201_4e42218/gpt-oss-20b-6l-probe_h200_20261201T104821Z.json", dict(model="gpt_oss_20b", layers=6)),
+    ("benchmarks/results/h200_20261201_4e42218/moonlight-16b-a3b-8l-probe_h200_20261201T105836Z.json", dict(model="moonlight_16b_a3b", layers=8)),
+    ("benchmarks/results/h200_20261201_4e42218/nemotron-3-nano-30b-a3b-8l-probe_h200_20261201T105010Z.json", dict(model="nemotron_3_nano_30b_a3b", layers=8)),
+    ("benchmarks/results/h200_20261201_03fcd1c/nemotron-3-nano-30b-a3b-8l-probe_h200_20261201T111833Z.json", dict(model="nemotron_3_nano_30b_a3b", layers=8)),
 ]
 
 
 def recorded_measurements() -> list[Measured]:
     out = []
     for path, routing, fields in RECORDED:
-        data = json.loads((RESULTS / path).read_text())
+        data = json.loads((REPO / path).read_text())
         row = next(r for r in data["rows"] if r["side"] == "moetune" and r["routing"] == routing and not r.get("error"))
         out.append(Measured(step_s=row["step_s"], peak_gib=row["peak_gib"], reserved_gib=row["reserved_gib"],
                             state_gib=row["state_gib"], seq_len=row["seq_len"], micro_batch=row["micro_batch"],
                             source=f"{path} ({data.get('commit', {}).get('commit', '?')[:7]})", **fields))
     for path, fields in PROBES:
-        data = json.loads((RESULTS / path).read_text())
+        data = json.loads((REPO / path).read_text())
         for attempt in data["probe"].get("moetune", {}).get("attempts", []):
             if attempt.get("status") != "ok" or attempt["seq_len"] < 65536:
                 continue

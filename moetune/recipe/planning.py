@@ -94,7 +94,7 @@ def dry_run_cuda_graph(config: JobConfig, model_config: PretrainedConfig, *, wor
     """Whether the job's steps would replay CUDA graphs on ``world`` GPUs of type ``gpu`` (the recipe's
     rule, ``uses_cuda_graph``, without a running process)."""
     from moetune.recipe.model_loading import check_model_for_job
-    from moetune.recipe.train import uses_cuda_graph
+    from moetune.recipe.step import uses_cuda_graph
     from moetune.utils.process import ProcessInfo
 
     takes_offsets = check_model_for_job(model_config, packing=config.data.packing,

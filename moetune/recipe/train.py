@@ -29,7 +29,7 @@ from moetune.recipe.model_loading import (
 from moetune.recipe.packing import Batch, BatchStream, check_resumable, fixed_batches, max_documents_per_row
 from moetune.recipe.planning import check_job_fits, job_shape
 from moetune.recipe.profiling import StepProfiler
-from moetune.recipe.step import GraphedTrainStep, NonFiniteLossError, StepResult, train_step
+from moetune.recipe.step import GraphedTrainStep, NonFiniteLossError, StepResult, train_step, uses_cuda_graph
 from moetune.training import set_learning_rate
 
 
@@ -196,19 +196,6 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
         base_path=base_path, autocast=autocast_for(precision, runtime.device), out_dir=out_dir,
         num_offsets=_num_document_offsets(data, config) if takes_offsets else None, cuda_graph=cuda_graph,
     )
-
-
-def uses_cuda_graph(config: JobConfig, runtime: Runtime, *, takes_offsets: bool) -> bool:
-    """Whether the steps replay CUDA graphs: ``training.cuda_graph`` "true" (checked elsewhere), or
-    "auto" for LoRA in one CUDA process with packed rows into a model that takes the offsets (the
-    eager LoRA step waits for the host: 42,725 against 79,661 tokens/s graphed on one H200, Qwen3
-    shapes, 8 layers;
-    benchmarks/results/h200_20261201_fc9e582/recipe_lora_qwen3-30b-a3b-8l_1gpu_20261201T065411Z.json)."""
-    setting = config.training.cuda_graph
-    if setting != "auto":
-        return setting == "true"
-    return (runtime.device.type == "cuda" and runtime.world_size == 1 and config.data.packing and takes_offsets
-            and config.lora.enabled)
 
 
 def _check_graph_sharding(config: JobConfig, runtime: Runtime) -> None:
