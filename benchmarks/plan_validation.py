@@ -27,7 +27,6 @@ sys.path.insert(0, str(REPO))
 
 from moetune.plan.validation import Measured, predict
 
-RESULTS = REPO / "benchmarks" / "results"
 
 HOST_BOUND = "eager LoRA: host-bound step time, not modelled"
 STALE = "commit 369c3fc: before this family's later kernels (its one-GPU step 1.2-1.3x faster since)"
