@@ -53,6 +53,8 @@ def test_right_padded_batches_padded_to_the_bucket_train_exactly(family, monkeyp
     labels = ids.masked_fill(mask == 0, -100)
     ours, theirs = (m(input_ids=ids, attention_mask=mask, labels=labels) for m in (padded, reference))
     assert planned and planned[0] is not None and planned[0].padded > 37, "the padded path did not run"
+    # ... and produced the outputs (a config's use_cache=True once sent every batch back to the eager path).
+    assert config.use_cache and runner.eager_reason is None, runner.eager_reason
     assert rel_err(ours.loss, theirs.loss) < 1e-6
     if theirs.aux_loss is not None:
         assert rel_err(ours.aux_loss, theirs.aux_loss) < 1e-6

@@ -275,7 +275,9 @@ def _line(name: str, entry: dict[str, Any]) -> str:
         else:
             peak = result.get("peak_memory_gib")
             cells.append(f"{side}: {result['tokens_per_s_median'] or 0:,.0f} tok/s (mean {result['tokens_per_s_mean'] or 0:,.0f})"
-                         + (f", {peak:.1f} GiB" if peak else ""))  # fmt: skip
+                         + (f", {peak:.1f} GiB" if peak else "")
+                         + (f", {result['graph_replays']} graph replays" if result.get("graph_replays") is not None else "")
+                         + (f" (eager: {result['graph_eager_reason']})" if result.get("graph_eager_reason") else ""))  # fmt: skip
     if "speedup_median" in entry:
         cells.append(f"x{entry['speedup_median']:.2f} (mean x{entry['speedup_mean']:.2f}), loss diff {entry['loss_max_abs_diff']:.2e}")
     return f"{name}: " + " | ".join(cells)

@@ -172,6 +172,7 @@ class Measurement(TrainerCallback):
             "tokens": self.tokens,
             "step_s": step_s,
             "graph_replays": _graph_replays(self._model),
+            "graph_eager_reason": _graph_eager_reason(self._model),
             "optimizer": self._optimizer,
             "settings": {k: v for k, v in vars(self.args).items() if k != "dtype"} | {"dtype": str(self.args.dtype)},
             "pid": os.getpid(),
@@ -182,6 +183,12 @@ def _graph_replays(model) -> int | None:
     """Forwards that moetune replayed from CUDA graphs (None for a Transformers model)."""
     runners = [m.__dict__["_training_graphs"] for m in model.modules() if "_training_graphs" in m.__dict__] if model else []
     return sum(r.replays for r in runners) if runners else None
+
+
+def _graph_eager_reason(model) -> str | None:
+    """Why moetune's last training forward ran eagerly (None when it replayed, or for Transformers)."""
+    runners = [m.__dict__["_training_graphs"] for m in model.modules() if "_training_graphs" in m.__dict__] if model else []
+    return next((r.disabled_reason or r.eager_reason for r in runners if r.disabled_reason or r.eager_reason), None)
 
 
 def _synchronize() -> None:

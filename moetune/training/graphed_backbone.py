@@ -268,6 +268,7 @@ class TrainingGraphs:
         self._pending: weakref.ref | None = None
         self._token: torch.Tensor | None = None
         self.replays = 0  # forwards replayed (for tests and benchmarks)
+        self.eager_reason: str | None = None  # why the last forward did not take the graphs' path
 
     def __deepcopy__(self, memo):  # graphs are not copied with a model: the copy starts over
         return _fresh(self)
@@ -290,21 +291,24 @@ class TrainingGraphs:
         ``forward(kwargs, output_router_logits)`` runs the stack eagerly on plain causal inputs."""
         backbone = self._backbone_ref()
         if backbone is None or self.disabled_reason is not None or not _graphable_now(backbone):
-            return None
+            return self._eager("not a training forward on CUDA (or graphs disabled)")
         ids = kwargs.get("input_ids")
         if not isinstance(ids, torch.Tensor) or (self.use_graphs and not ids.is_cuda):
-            return None
+            return self._eager("no CUDA input_ids")
         if not self._check_parameters(backbone, ids.device):
-            return None
+            return self._eager("parameters sharded, spread over devices, tied or frozen")
         pending = self._pending() if self._pending is not None else None
         if pending is not None and not pending.done:
-            return None  # an earlier replay's activations are still waiting for its backward
+            return self._eager("an earlier replay's backward is pending")  # its activations live in the graphs
         plan = plan_batch(kwargs, pad_token_id=_pad_token_id(backbone), labels=labels)
         if plan is None:
-            return None
-        call = {**plan.tensors, **plan.constants, "return_dict": True}
+            return self._eager(f"padding would not be exact for inputs {sorted(k for k, v in kwargs.items() if v is not None)}")
+        # use_cache=False: a training step keeps no KV cache (the causal LM says so; an absent key
+        # would read the config's use_cache, on in most Hub configs).
+        call = {**plan.tensors, **plan.constants, "use_cache": False, "return_dict": True}
         if not backbone._is_plain_causal(call):
-            return None
+            return self._eager(f"not a plain causal batch for attention {backbone.config._attn_implementation!r}")
+        self.eager_reason = None
         if not self.use_graphs:
             return _cut(forward(call, output_router_logits), plan)
         state = self._grad_state(adopt=True)
@@ -337,6 +341,12 @@ class TrainingGraphs:
     # Under torch.compile the stack runs here, not traced (a graph break; torch._dynamo is imported on
     # the first call only, so importing moetune does not load it).
     run = torch._disable_dynamo(run)
+
+    def _eager(self, reason: str) -> None:
+        """Record why this forward runs eagerly (``eager_reason``: what a user or benchmark checks when
+        no replays happen) and let the caller run its own path."""
+        self.eager_reason = reason
+        return None
 
     # -- parameters and gradients --
 
@@ -405,7 +415,7 @@ class TrainingGraphs:
     # -- capture and replay --
 
     def _capture(self, bucket: _Bucket, plan: BatchPlan, state: str, output_router_logits: bool, forward: Callable) -> _Graphs:
-        call = {**bucket.inputs, **plan.constants, "return_dict": True}
+        call = {**bucket.inputs, **plan.constants, "use_cache": False, "return_dict": True}
         saved = [p.grad for p in self._params]
         copies: list = []
         if state == "accumulate":
