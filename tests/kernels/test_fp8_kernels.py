@@ -43,7 +43,7 @@ def test_quantizer_kernels_in_the_interpreter(interpret, block):
 
 
 @pytest.mark.parametrize("block", [None, 128])
-def test_column_quantizer_with_the_callers_layout_and_with_one_group(interpret, block):
+def test_column_quantizer_in_the_interpreter_with_the_callers_layout_and_one_group(interpret, block):
     """A weight gradient hands both operands' quantisations one ``column_layout``; a dense layer is one
     group (its per-column amax a plain reduction)."""
     generator = torch.Generator().manual_seed(5)
