@@ -86,6 +86,37 @@ def test_padding_free_batches_get_a_document_of_pads():
     assert rel_err(padded(**batch).loss, reference(**batch).loss) < 1e-6
 
 
+def test_packed_positions_without_offsets_train_as_documents(monkeypatch):
+    """TRL's packing under SDPA passes position_ids that restart at 0 per document and no offsets:
+    the graphs' plan finds the documents there (Transformers' masks find the same ones), and the
+    loss, aux loss and gradients equal Transformers' block-masked path. Positions that do not
+    count up from 0 inside a document run as before."""
+    config = tiny_qwen3_moe_config()
+    config.output_router_logits = True
+    reference, padded, runner = _eager_padded_pair(config)
+    from moetune.training import graphed_backbone
+
+    plans = []
+    monkeypatch.setattr(graphed_backbone, "plan_batch", _spy(graphed_backbone.plan_batch, plans))
+    lengths = [20, 25, 5]
+    ids = torch.randint(0, 96, (1, 50), generator=torch.Generator().manual_seed(4))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    labels = ids.masked_fill(positions == 0, -100)
+    ours, theirs = (m(input_ids=ids, position_ids=positions, labels=labels) for m in (padded, reference))
+    plan = plans[0]
+    assert plan is not None and plan.key[0] == "documents" and runner.eager_reason is None, runner.eager_reason
+    assert plan.tensors["cu_seq_lens_q"][:4].tolist() == [0, 20, 45, 50] and plan.constants["max_length_q"] >= 25
+    assert rel_err(ours.loss, theirs.loss) < 1e-6 and rel_err(ours.aux_loss, theirs.aux_loss) < 1e-6
+    ours.loss.backward()
+    theirs.loss.backward()
+    for (name, mine), ref in zip(padded.named_parameters(), reference.parameters()):
+        if ref.grad is not None:
+            assert rel_err(mine.grad, ref.grad) < 1e-5, name
+    shifted = positions + (torch.arange(50) >= 30).long()[None]  # the second document skips a position
+    assert graphed_backbone.plan_batch({"input_ids": ids, "position_ids": shifted}) is None
+    assert graphed_backbone.plan_batch({"input_ids": ids, "position_ids": positions + 1}) is None
+
+
 def test_batches_where_padding_is_not_exact_run_as_before(monkeypatch):
     """Left padding, or a prediction at a pad that is scored: the stack runs Transformers' masked path."""
     reference, padded, _ = _eager_padded_pair(tiny_qwen3_moe_config())
@@ -210,7 +241,8 @@ def test_replayed_steps_with_user_zeroed_gradients_and_two_forwards():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_replayed_padding_free_steps():
+@pytest.mark.parametrize("offsets_given", [True, False], ids=["offsets", "positions-only"])
+def test_replayed_padding_free_steps(offsets_given):
     graphed, eager = _cuda_pair()
     steps = []
     for i in range(8):
@@ -222,6 +254,8 @@ def test_replayed_padding_free_steps():
         steps.append([dict(input_ids=ids, position_ids=positions, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
                            max_length_q=max(lengths), max_length_k=max(lengths),
                            labels=ids.masked_fill(positions == 0, -100))])  # fmt: skip
+        if not offsets_given:  # TRL's packing under SDPA: the positions alone
+            steps[-1] = [{k: v for k, v in steps[-1][0].items() if k in ("input_ids", "position_ids", "labels")}]
     runner = _assert_same_training(graphed, eager, steps)
     assert runner.replays >= 2 and {key[0] for key in runner._buckets} == {"documents"}
 

@@ -277,10 +277,18 @@ def _line(name: str, entry: dict[str, Any]) -> str:
             cells.append(f"{side}: {result['tokens_per_s_median'] or 0:,.0f} tok/s (mean {result['tokens_per_s_mean'] or 0:,.0f})"
                          + (f", {peak:.1f} GiB" if peak else "")
                          + (f", {result['graph_replays']} graph replays" if result.get("graph_replays") is not None else "")
-                         + (f" (eager: {result['graph_eager_reason']})" if result.get("graph_eager_reason") else ""))  # fmt: skip
+                         + (f" (eager: {result['graph_eager_reason']})" if result.get("graph_eager_reason") else "")
+                         + _phases(result.get("phases_ms_median")))  # fmt: skip
     if "speedup_median" in entry:
         cells.append(f"x{entry['speedup_median']:.2f} (mean x{entry['speedup_mean']:.2f}), loss diff {entry['loss_max_abs_diff']:.2e}")
     return f"{name}: " + " | ".join(cells)
+
+
+def _phases(phases: dict[str, float | None] | None) -> str:
+    """" [forward 30.1 + backward_and_clip 60.2 + ... ms]": the GPU time of a step's phases (medians)."""
+    if not phases or any(ms is None for ms in phases.values()):
+        return ""
+    return " [" + " + ".join(f"{name} {ms:.1f}" for name, ms in phases.items()) + " ms]"
 
 
 if __name__ == "__main__":

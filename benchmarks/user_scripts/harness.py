@@ -83,6 +83,17 @@ def lora_targets(model_type: str) -> tuple[list[str], list[str]]:
     return attention.get(model_type, ["q_proj", "k_proj", "v_proj", "o_proj"]), experts[model_type]
 
 
+# A step's phases between the marks the callbacks record: (name, from mark, to mark). "forward" is
+# the last micro-batch's forward; "backward_and_clip" its backward, the gradient norm and clipping;
+# "optimizer" the optimizer's step; "after_optimizer" the scheduler, zero_grad and the callbacks.
+PHASES = (
+    ("forward", "begin", "forward"),
+    ("backward_and_clip", "forward", "clipped"),
+    ("optimizer", "clipped", "stepped"),
+    ("after_optimizer", "stepped", "end"),
+)
+
+
 class Measurement(TrainerCallback):
     """Tokens/s, peak memory and losses of a Trainer run (see the module); JSON to ``args.result``."""
 
@@ -102,6 +113,10 @@ class Measurement(TrainerCallback):
         self._start: float | None = None
         self._model = None
         self._optimizer: str | None = None
+        # Where a step's GPU time goes: CUDA events at the step's marks (read after the step's
+        # synchronisation, so they add none), one list of milliseconds per phase.
+        self._marks: dict[str, torch.cuda.Event] = {}
+        self.phases_ms: dict[str, list[float]] = {name: [] for name, _, _ in PHASES}
 
     # -- hooks on the model: every micro-batch's tokens and loss, on the device (no synchronisation) --
 
@@ -118,6 +133,7 @@ class Measurement(TrainerCallback):
             return
         loss = loss.detach().float()
         self._loss = loss if self._loss is None else self._loss + loss
+        self._mark("forward")  # the last micro-batch's forward ends here
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._model = model
@@ -129,9 +145,28 @@ class Measurement(TrainerCallback):
         _synchronize()
         self._start = time.perf_counter()
 
+    def _mark(self, name: str) -> None:
+        if torch.cuda.is_available() and not self.args.cpu:
+            self._marks[name] = event = torch.cuda.Event(enable_timing=True)
+            event.record()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._marks = {}
+        self._mark("begin")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._mark("clipped")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self._mark("stepped")
+
     def on_step_end(self, args, state, control, **kwargs):
+        self._mark("end")
         _synchronize()
         self.step_ends.append(time.perf_counter())
+        for name, start, stop in PHASES:
+            marks = self._marks
+            self.phases_ms[name].append(marks[start].elapsed_time(marks[stop]) if start in marks and stop in marks else None)
         self.tokens.append(int(self._counted.item()) if self._counted is not None else 0)
         self.losses.append(float(self._loss.item()) / max(1, self.args.grad_accum) if self._loss is not None else float("nan"))
         self._counted = self._loss = None
@@ -171,6 +206,10 @@ class Measurement(TrainerCallback):
             "logged_losses": self.logged_losses,
             "tokens": self.tokens,
             "step_s": step_s,
+            "phases_ms_median": {
+                name: statistics.median(kept) if measured and None not in (kept := [times[i] for i in measured]) else None
+                for name, times in self.phases_ms.items()
+            },
             "graph_replays": _graph_replays(self._model),
             "graph_eager_reason": _graph_eager_reason(self._model),
             "optimizer": self._optimizer,

@@ -30,7 +30,9 @@ appended after the real tokens and never attended to by them:
 - padding-free batches (TRL's ``padding_free``/``packing``: one row, ``position_ids`` and the
   documents' offsets ``cu_seq_lens_q`` / ``max_length_q``, maybe ``seq_idx``) get one more document of pads at the end
   and empty documents up to a bucketed count of offsets; the longest document is bucketed to a
-  power of two;
+  power of two. A row with ``position_ids`` but no offsets (TRL's packing under SDPA) gets its
+  offsets from where the positions restart at 0 (one host synchronisation), when every document's
+  positions count up from 0: the documents Transformers' masks find in such positions;
 - plain rows (no mask, no positions) are padded to the bucket.
 Left-padded rows, other positions, KV caches, ``inputs_embeds``, hidden states or attentions
 asked for, evaluation and ``no_grad`` run eagerly as before. Activation checkpointing (TRL's
@@ -140,7 +142,9 @@ def plan_batch(kwargs: dict[str, Any], *, pad_token_id: int = 0, labels: ScoredL
     if kwargs.get("cu_seq_lens_q") is not None:
         return _plan_documents(kwargs, ids_BS, pad_token_id=pad_token_id)
     if kwargs.get("position_ids") is not None or kwargs.get("seq_idx") is not None:
-        return None  # positions without offsets: Transformers finds the documents itself (eager)
+        # Positions without offsets (TRL's packing under SDPA): the documents restart at position 0.
+        documents = _documents_from_positions(kwargs, ids_BS)
+        return None if documents is None else _plan_documents(documents, ids_BS, pad_token_id=pad_token_id)
     mask_BS = kwargs.get("attention_mask")
     if mask_BS is not None and not _right_padded(mask_BS, rows=rows, length=length, labels=labels):
         return None
@@ -167,6 +171,33 @@ def _right_padded(mask_BS: torch.Tensor, *, rows: int, length: int, labels: Scor
         first_unscored_B1 = lengths_B1 if labels.shifted else lengths_B1 + 1
         exact = exact & ~((targets_BS != -100) & (positions_S >= first_unscored_B1)).any()
     return bool(exact)
+
+
+def _documents_from_positions(kwargs: dict[str, Any], ids_BS: torch.Tensor) -> dict[str, Any] | None:
+    """``kwargs`` with the documents' offsets of a padding-free row whose ``position_ids`` restart at
+    0 with each document and count up by one inside it (what TRL's collators write, and what
+    Transformers' masks read as documents when no offsets are given), or None. One host
+    synchronisation, as Transformers' own check for packed positions takes."""
+    positions_BS = kwargs.get("position_ids")
+    rows, length = ids_BS.shape
+    if rows != 1 or kwargs.get("attention_mask") is not None or kwargs.get("seq_idx") is not None:
+        return None
+    if not isinstance(positions_BS, torch.Tensor) or tuple(positions_BS.shape) != (1, length) or positions_BS.is_floating_point():
+        return None
+    positions_S = positions_BS[0]
+    index_S = torch.arange(length, device=positions_S.device)
+    starts_S = positions_S == 0
+    first_S = torch.where(starts_S, index_S, torch.zeros_like(index_S)).cummax(0).values
+    exact = starts_S[:1] & (positions_S == index_S - first_S).all()
+    flags = torch.cat([exact, starts_S]).cpu()  # the one synchronisation
+    if not bool(flags[0]):
+        return None
+    offsets = [*flags[1:].nonzero().flatten().tolist(), length]
+    return {
+        **kwargs,
+        "cu_seq_lens_q": torch.tensor(offsets, dtype=torch.int32).to(ids_BS.device),
+        "max_length_q": max(b - a for a, b in zip(offsets, offsets[1:])),
+    }
 
 
 def _plan_documents(kwargs: dict[str, Any], ids_BS: torch.Tensor, *, pad_token_id: int) -> BatchPlan | None:
