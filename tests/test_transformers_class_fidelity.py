@@ -141,7 +141,8 @@ def test_builds_from_a_config_transformers_class_has_used(family):
 def test_classes_declare_what_transformers_inspects(family):
     """What Transformers (and its tests) read off a class: ``GenerationMixin`` among the causal LM's direct
     bases; the backbone's forward signature, in Transformers' order (it was ``forward(*args, **kwargs)``)
-    and taking positional arguments in it; the forwards' return types; ``router_logits`` recorded from
+    and taking positional arguments in it; the forwards' return types and the flags their ``**kwargs``
+    take (Transformers' tests skip output_attentions without them); ``router_logits`` recorded from
     moetune's routers (Transformers' recorder named Transformers' router classes, which moetune's models
     do not have)."""
     causal_lm, backbone = FAMILIES[family].causal_lm, FAMILIES[family].base_model
@@ -153,6 +154,9 @@ def test_classes_declare_what_transformers_inspects(family):
     assert {"output_router_logits", "return_dict"} <= set(ours_parameters)
     assert backbone.forward.__annotations__["return"] == theirs.forward.__annotations__["return"]
     assert "router_logits" in causal_lm.forward.__annotations__["return"].__args__[0].__dataclass_fields__
+    for cls in (causal_lm, backbone):  # the flags the forwards take through **kwargs (output_attentions, ...)
+        flags = inspect.signature(cls.forward).parameters["kwargs"].annotation.__args__[0].__annotations__
+        assert {"output_attentions", "output_hidden_states"} <= set(flags)
     for cls in (causal_lm, backbone):
         recorder = cls._can_record_outputs["router_logits"]
         assert isinstance(recorder, OutputRecorder) and recorder.target_class.__name__ == ROUTER_CLASS[family]

@@ -23,7 +23,9 @@ import inspect
 
 import torch
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.utils import TransformersKwargs
 from transformers.utils.output_capturing import OutputRecorder
+from typing_extensions import Unpack
 
 from moetune.layers import linear_cross_entropy, shift_labels_for_causal_lm
 from moetune.layers.document_attention import OFFSETS_KEY
@@ -198,7 +200,7 @@ class MoetuneCausalLMMixin(MoetunePreTrainedMixin):
         logits_to_keep: int | torch.Tensor = 0,
         return_logits: bool | None = None,
         return_dict: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],  # what Transformers reads to learn which flags it takes
     ) -> MoeCausalLMOutputWithPast | tuple:
         if output_router_logits is None:
             output_router_logits = bool(getattr(self.config, "output_router_logits", False))
