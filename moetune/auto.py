@@ -12,6 +12,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,7 @@ def load_pretrained(
     config._name_or_path = "" if path is None else str(path)
     with torch.device("meta"), allow_all_hub_kernels() if loading["allow_all_kernels"] else contextlib.nullcontext():
         model = model_class._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        keep_in_fp32(model, dtype)
     # A caller who made the model shallower than the checkpoint (num_hidden_layers=N, a shorter
     # layer pattern, or a config of its own) gets the first layers; the tensors of the others are
     # left unread, as Transformers leaves them. Otherwise every tensor must have a place, except
@@ -230,6 +232,25 @@ def load_pretrained(
                 "error_msgs": []}  # fmt: skip
         return model, info
     return model
+
+
+def keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Transformers' ``_keep_in_fp32_modules`` (for fp16) and ``_keep_in_fp32_modules_strict`` (for fp16 and
+    bf16): the parameters and buffers of the modules they name stay fp32 (GPT-OSS's norms, DeepSeek-V3's router)."""
+    names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.float16, torch.bfloat16) else set()
+    if dtype == torch.float16:
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if not names:
+        return
+    pattern = re.compile(r"(?:^|\.)(?:" + "|".join(map(re.escape, sorted(names))) + r")(?:\.|$)")
+    for module_name, module in model.named_modules():
+        for registry in (module._parameters, module._buffers):
+            for name, tensor in registry.items():
+                full_name = f"{module_name}.{name}" if module_name else name
+                if tensor is not None and tensor.is_floating_point() and pattern.search(full_name):
+                    registry[name] = tensor.float() if registry is module._buffers else torch.nn.Parameter(
+                        tensor.float(), requires_grad=tensor.requires_grad
+                    )
 
 
 def _check_weights_source(path: str | os.PathLike | None, state_dict: Any, config: Any) -> None:

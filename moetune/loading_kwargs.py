@@ -83,7 +83,11 @@ ARGUMENTS: tuple[Argument, ...] = (
         "a PretrainedConfig, or a path / Hub id of one; leftover keyword arguments then override its fields",
     ),
     Argument("trust_remote_code", SUPPORTED, "for the config (moetune's model classes are its own, never remote code)"),
-    Argument("dtype", SUPPORTED, "None / 'auto': the config's dtype, else the checkpoint's; or a torch dtype or its name"),
+    Argument(
+        "dtype", SUPPORTED,
+        "None / 'auto': the config's dtype, else the checkpoint's; or a torch dtype or its name; the modules the class "
+        "names in _keep_in_fp32_modules (for fp16) and _keep_in_fp32_modules_strict (fp16, bf16) stay fp32, as in Transformers",
+    ),
     Argument("torch_dtype", SUPPORTED, "the old name of `dtype` (`dtype` wins when both are given)"),
     Argument("attn_implementation", SUPPORTED, "the attention the model runs (default: the family's)"),
     Argument(

@@ -85,6 +85,20 @@ def test_backbone_writes_the_hub_layout_that_transformers_reads(family, tmp_path
             assert rel_err(model(ids).last_hidden_state, expected) < TOL
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
+def test_modules_transformers_keeps_in_fp32_load_in_fp32(family, tmp_path):
+    """Transformers loads what its classes name in ``_keep_in_fp32_modules`` (for fp16: GPT-OSS's norms) and
+    ``_keep_in_fp32_modules_strict`` (for fp16 and bf16: DeepSeek-V3's router) in fp32; moetune's loader cast
+    every tensor to the requested dtype."""
+    _, folder = _hub_checkpoint(family, tmp_path)
+    for dtype in (torch.float16, torch.bfloat16):
+        expected = {n: t.dtype for n, t in transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).state_dict().items()}
+        assert any(d == torch.float32 for d in expected.values()) == (family == "deepseek_v3" or dtype == torch.float16)
+        for ours in (FAMILIES[family].causal_lm.from_pretrained(folder, dtype=dtype),
+                     moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)):  # fmt: skip
+            assert {n: t.dtype for n, t in ours.state_dict().items()} == expected
+
+
 def test_class_from_pretrained_fails_loudly(tmp_path):
     """A checkpoint that moetune's class cannot hold is an error naming what is wrong, never
     parameters left as initialised: a missing expert tensor, another architecture's checkpoint."""
