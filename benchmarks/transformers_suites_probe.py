@@ -38,7 +38,11 @@ def moetune_classes() -> dict[type, type]:
 
     mapping: dict[type, type] = {}
     for family in FAMILIES.values():
-        for ours in (family.causal_lm, family.base_model):
+        # Before ModelFamily named it, the backbone was the class named like the causal LM in its module.
+        base_model = getattr(family, "base_model", None) or getattr(
+            sys.modules[family.causal_lm.__module__], family.causal_lm.__name__.replace("ForCausalLM", "Model")
+        )
+        for ours in (family.causal_lm, base_model):
             theirs = next(base for base in ours.__mro__[1:] if base.__module__.startswith("transformers."))
             mapping[theirs] = ours
     return mapping
