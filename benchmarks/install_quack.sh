@@ -12,7 +12,7 @@
 # Call 2 (carry .fa2, within the machine's 30 s idle window): source benchmarks/install_quack.sh
 # The folder's name must hold 'site-packages': quack fingerprints its epilogues' code and treats
 # functions from folders so named as installed (by name); elsewhere it recurses into cutlass-dsl's
-# globals and fails on a ContextVar (the twentieth session's gemm_act error).
+# globals and fails on a ContextVar (quack's gemm_act failed so on 2026-12-04).
 # Wheels first, the compiler over them: pip --target --upgrade replaces the nvidia_cutlass_dsl folder.
 set -e
 test -f /tmp/fa/cdsl.part.aa || { echo "install_quack: /tmp/fa/cdsl.part.aa missing (the first call's part)"; return 3 2>/dev/null || exit 3; }

@@ -80,10 +80,10 @@ def run_variant(name: str, *, root: Path, args: argparse.Namespace, work: Path) 
         command += [f"--{key}", str(value)]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     start = time.time()
-    # Its own session, so that a timeout stops torchrun's workers too.
+    # Its own process session (setsid), so that a timeout stops torchrun's workers too.
     proc = subprocess.Popen(command, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    # A SIGTERM to this probe (an outer `timeout`) must stop the run too: it sits in a session of its
+    # A SIGTERM to this probe (an outer `timeout`) must stop the run too: it sits in a process session of its
     # own and would otherwise keep the GPU's memory through the next variant (an OOM there).
     previous = signal.signal(signal.SIGTERM, _raise_timeout)
     try:
@@ -122,8 +122,8 @@ def _raise_timeout(signum, frame) -> None:
 
 
 def _stop(proc: subprocess.Popen, out: Path) -> None:
-    """Kill the run's session and, since torchrun starts its workers in sessions of their own, every
-    process naming the run's output directory."""
+    """Kill the run's process session and, since torchrun starts its workers in process sessions of
+    their own, every process naming the run's output directory."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:

@@ -29,7 +29,7 @@
 #   graph16l  moetune alone at 16 layers, eager and graphed (the one-GPU reference of row B)
 #   profile   benchmarks/profile_step.py: kernels and GPU idle time of one step, eager and graphed
 #   nemotron  Nemotron 3 Nano: one Mamba-2 mixer, Transformers' torch path vs moetune's
-#             (benchmarks/mamba2_probe.py), then 8 layers of the model side by side (real routing)
+#             (benchmarks/probes/mamba2_probe.py), then 8 layers of the model side by side (real routing)
 #   othermodels  GPT-OSS-20B (6 layers: both sides' eager attention keeps [heads, S, S] scores) and
 #             Moonlight-16B-A3B (DeepSeek-V3's architecture, 8 layers) side by side, real routing
 #   othermodelsgraph  the same with moetune's step replayed from CUDA graphs, updates in the backward
@@ -99,7 +99,7 @@ fi
 
 if stage nemotron; then
   echo "== Nemotron 3 Nano: one Mamba-2 mixer, then 8 layers side by side"
-  timeout 150 python benchmarks/mamba2_probe.py --seq-len 4096 --out "$OUT/mamba2_probe_h200.jsonl" || status=1
+  timeout 150 python benchmarks/probes/mamba2_probe.py --seq-len 4096 --out "$OUT/mamba2_probe_h200.jsonl" || status=1
   bench 240 --config nemotron_3_nano_30b_a3b --layers 8 --seq-len 4096 --micro-batch 1 --routing real --moetune-optimizer moetune
 fi
 

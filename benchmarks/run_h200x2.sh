@@ -28,7 +28,7 @@
 #                defaults; e.g. OPT_SWEEP="- replicate_bucket_mb=None replicate_bucket_mb=25,replicate_max_ctas=8")
 #     lora       LoRA (rank 16, attention projections + every expert): Transformers + PEFT + FSDP2 against
 #                moetune.lora with ep=NPROC + FSDP2, eager, real routing (never run on GPUs before)
-#     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/nccl_probe.py): NCCL,
+#     ncclprobe  the all-gather dispatcher's per-layer collectives alone (benchmarks/probes/nccl_probe.py): NCCL,
 #                and copy-engine pushes into symmetric memory (--copy-engine)
 #     otherarch  rows B and C's setting for the other architectures, real routing, moetune eager with the
 #                all-gather dispatcher and replicated dense parameters: Nemotron 3 Nano and Moonlight-16B-A3B
@@ -162,7 +162,7 @@ fi
 
 if stage ncclprobe; then
   echo "== the all-gather dispatcher's collectives alone"
-  timeout 90 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/nccl_probe.py --copy-engine --out "$OUT/nccl_probe.jsonl" \
+  timeout 90 torchrun --standalone --nproc-per-node "$NPROC" benchmarks/probes/nccl_probe.py --copy-engine --out "$OUT/nccl_probe.jsonl" \
     2>&1 | grep case || status=1
 fi
 

@@ -3,15 +3,15 @@
     # from transformers import AutoModelForCausalLM
     from moetune import AutoModelForCausalLM
 
-    # and, for expert-parallel models under torchrun, Transformers' Trainer:
-    from moetune import Trainer
+    # and Transformers' Trainer / TRL's SFTTrainer with moetune's optimizer (and expert parallelism):
+    from moetune import Trainer, SFTTrainer
 """
 
 from moetune.auto import AutoModelForCausalLM
 from moetune.options import MoetuneOptions
 
 __version__ = "0.1.0"
-__all__ = ["AutoModelForCausalLM", "MoetuneOptions", "Trainer", "__version__"]
+__all__ = ["AutoModelForCausalLM", "MoetuneOptions", "SFTTrainer", "Trainer", "__version__"]
 
 
 def __getattr__(name: str):
@@ -20,4 +20,8 @@ def __getattr__(name: str):
         from moetune.integrations.trainer import Trainer
 
         return Trainer
+    if name == "SFTTrainer":  # TRL's, imported on first use (an optional package)
+        from moetune.integrations.trainer import sft_trainer_class
+
+        return sft_trainer_class()
     raise AttributeError(f"module 'moetune' has no attribute {name!r}")

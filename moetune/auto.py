@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import os
 import re
 import warnings
@@ -31,6 +30,7 @@ from moetune.checkpoint import (
 )
 from moetune.checkpoint.files import TensorInfo, state_dict_tensors
 from moetune.checkpoint.loader import TensorReader, initialize_afresh
+from moetune.distributed import parallelize_for_options
 from moetune.integrations import IMPLEMENTATION_NAME, register_moetune_experts
 from moetune.integrations.transformers_experts import set_fallback_experts_backend
 from moetune.loading_kwargs import (
@@ -39,9 +39,16 @@ from moetune.loading_kwargs import (
     pop_loading_arguments,
     unexpected_from_config_arguments,
 )
+from moetune.fp8.settings import check_fp8_hardware
 from moetune.models import ModelFamily, family_for, family_of_class, set_moe_options
+from moetune.models.fp8 import enable_fp8
 from moetune.models.options import check_experts_backend
+from moetune.models.pretrained import MoetunePreTrainedMixin
+from moetune.models.registry import not_causal_reason, transformers_causal_lm_class
 from moetune.options import MoetuneOptions
+from moetune.training.graphed_backbone import set_training_graphs
+from moetune.utils.json_files import read_json
+from moetune.utils.materialize import materialize
 
 
 class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
@@ -57,10 +64,12 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         family = family_for(config)
         if family is None:
             _check_fallback_options(config, options)
+            _warn_if_not_causal(config, stacklevel=2)
             _prefer_moetune_experts(config, kwargs, options.experts_backend)
             return _with_fallback_experts_backend(
                 transformers.AutoModelForCausalLM.from_config(config, **kwargs), options.experts_backend
             )
+        check_fp8_hardware(options.fp8_settings)
         arguments = pop_loading_arguments(kwargs, FROM_CONFIG_ARGUMENTS)
         if kwargs:
             raise unexpected_from_config_arguments(list(kwargs), config)
@@ -77,9 +86,9 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
                 building.enter_context(torch.device("meta"))
             model = family.causal_lm._from_config(config, **build)
         set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
+        enable_fp8(model, options.fp8_settings)
+        set_training_graphs(model, options.cuda_graphs)
         if options.distributed:
-            from moetune.distributed import parallelize_for_options
-
             return parallelize_for_options(model, options, init_weights=True)
         return _with_lora(model, options)
 
@@ -140,6 +149,7 @@ def load_pretrained(
             f"not {model_class.__name__}"
         )
     loading.check_for_moetune(config.model_type)  # refuses what moetune cannot honour, before any weight is read
+    check_fp8_hardware(options.fp8_settings)
     experts_backend = experts_backend_for(loading["experts_implementation"], options.experts_backend, config.model_type)
     attn_implementation = loading["attn_implementation"] or _attention_for(config, family)
     if loading["fusion_config"] is not None:
@@ -198,9 +208,9 @@ def load_pretrained(
             stacklevel=2,
         )
     set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
+    enable_fp8(model, options.fp8_settings)
+    set_training_graphs(model, options.cuda_graphs)
     if options.distributed:
-        from moetune.distributed import parallelize_for_options
-
         model = parallelize_for_options(model, options, init_weights=False)
     else:
         materialize(model, device)
@@ -312,6 +322,7 @@ def _load_with_transformers(path, model_args, kwargs: dict[str, Any], config: Pr
     Transformers' auto class (or, for one of moetune's classes, the Transformers class it subclasses)
     with every argument as given, and the config already loaded."""
     _check_fallback_options(config, options)
+    _warn_if_not_causal(config, stacklevel=3)
     _prefer_moetune_experts(config, kwargs, options.experts_backend)
     for key in config_overrides:
         kwargs.pop(key)  # already applied to the config
@@ -429,28 +440,6 @@ def _with_lora(model, options: MoetuneOptions):
     return apply_lora(model, options.lora)
 
 
-def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
-    """Allocate a meta-device model on ``device`` (uninitialised) and recompute its non-persistent
-    buffers (RoPE frequencies), which no checkpoint stores."""
-    model.to_empty(device=device)
-    rebuild_non_persistent_buffers(model, device)
-    if hasattr(model, "tie_weights"):  # to_empty gives each module its own tensor, untying lm_head
-        model.tie_weights()
-
-
-@torch.no_grad()
-def rebuild_non_persistent_buffers(model: torch.nn.Module, device: torch.device | str) -> None:
-    for name, module in model.named_modules():
-        if not module._non_persistent_buffers_set:
-            continue
-        if not (type(module).__name__.endswith("RotaryEmbedding") and hasattr(module, "config")):
-            raise AssertionError(f"don't know how to rebuild non-persistent buffers of {name} ({type(module).__name__})")
-        with torch.device(device):
-            fresh = type(module)(config=module.config)
-        for buffer_name in module._non_persistent_buffers_set:
-            getattr(module, buffer_name).copy_(getattr(fresh, buffer_name))
-
-
 CHECKPOINT_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py")
 
 
@@ -506,7 +495,9 @@ def _load_config(folder: Path, *, trust_remote_code: bool | None, overrides: dic
         )
     if not path.is_file():
         raise FileNotFoundError(f"no config.json in {str(folder)!r}")
-    data = json.loads(path.read_text())
+    data = read_json(path)  # a damaged file: named, with the line and column
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object of config fields, got a {type(data).__name__}")
     alias = MODEL_TYPE_ALIASES.get(data.get("model_type"))
     try:
         if alias is not None:  # moetune implements it: Transformers' own config class, never the remote code's
@@ -598,8 +589,20 @@ def _generation_config(folder: Path | None, model, explicit: GenerationConfig | 
 
 
 def _takes_experts_implementation(config: PretrainedConfig) -> bool:
-    model_class = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
+    model_class = transformers_causal_lm_class(config)
     return model_class is not None and model_class._can_set_experts_implementation()
+
+
+def _warn_if_not_causal(config: PretrainedConfig, *, stacklevel: int) -> None:
+    """An encoder built as a causal LM (BERT with ``is_decoder=False``): Transformers builds it and only
+    logs a line; moetune builds it too (a drop-in does what Transformers does) but warns, naming the
+    field. ``moetune finetune`` refuses it. A config Transformers has no causal-LM class for is left
+    to Transformers' own error."""
+    if transformers_causal_lm_class(config) is None:
+        return
+    reason = not_causal_reason(config)
+    if reason is not None:
+        warnings.warn(f"this causal LM is not causal: {reason}", UserWarning, stacklevel=stacklevel + 1)
 
 
 def _prefer_moetune_experts(config: PretrainedConfig, kwargs: dict[str, Any], experts_backend: str) -> None:
@@ -638,6 +641,11 @@ def _check_fallback_options(config: PretrainedConfig, options: MoetuneOptions) -
         raise ValueError(
             f"balanced_gate / lora apply to moetune's MoE models (use moetune.lora.apply_lora), not {getattr(config, 'model_type', '?')!r}"
         )
+    if options.fp8 is not None:
+        raise ValueError(
+            f"fp8={options.fp8!r} trains moetune's architectures (Qwen3-MoE, DeepSeek-V3 / Kimi-K2, GPT-OSS, Nemotron-H) in "
+            f"FP8; {getattr(config, 'model_type', '?')!r} loads through Transformers' class, which moetune does not convert"
+        )
     if options.experts_backend != "auto":
         check_experts_backend(options.experts_backend)
         if not _takes_experts_implementation(config):
@@ -645,3 +653,9 @@ def _check_fallback_options(config: PretrainedConfig, options: MoetuneOptions) -
                 f"experts_backend applies to moetune's MoE models and to Transformers' MoE models that take an "
                 f"experts implementation; {getattr(config, 'model_type', '?')!r} takes none"
             )
+
+
+# The model classes' own from_pretrained (Qwen3MoeForCausalLM.from_pretrained, ...) loads through the
+# same function; they sit below this module, which hands it to them (moetune/models/pretrained.py).
+MoetunePreTrainedMixin.loader = staticmethod(load_pretrained)
+

@@ -109,7 +109,9 @@ ARGUMENTS: tuple[Argument, ...] = (
         "dequantize=True (Mxfp4Config / FineGrainedFP8Config) on a checkpoint moetune dequantizes while loading (MXFP4 "
         "experts, 128 x 128 block-scaled FP8) or on an unquantized one: moetune's model with plain weights; any other "
         "(quantizing while loading: bitsandbytes, torchao, ...; or keeping a checkpoint quantized): Transformers' "
-        "class with the argument, after a warning (moetune trains bf16 / fp32 weights)",
+        "class with the argument, after a warning (moetune trains bf16 / fp32 weights). Training in FP8 is moetune's "
+        "own option fp8='rowwise' / 'blockwise' (MoetuneOptions), which also loads the block-scaled FP8 checkpoints "
+        "(DeepSeek-V3, Kimi-K2: dequantized to the bf16 master weights, then quantized again in each step)",
     ),
     # Where the model goes.
     Argument(
@@ -286,7 +288,7 @@ def unexpected_from_config_arguments(names: list[str], config: Any) -> TypeError
     return TypeError(
         f"from_config() got unexpected keyword arguments {sorted(names)} for moetune's {config.model_type} (a TypeError "
         f"in Transformers too, whose model class takes only the config); it takes {takes}, and MoetuneOptions' fields "
-        "(ep_size, device_mesh, experts_backend, lora, ...)" + "".join(f"; {hint}" for hint in hints)
+        "(ep_size, device_mesh, experts_backend, lora, fp8, ...)" + "".join(f"; {hint}" for hint in hints)
     )
 
 

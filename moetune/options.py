@@ -69,13 +69,30 @@ class MoetuneOptions:
     per gradient; 'copy_engine' (two ranks on one node, CUDA): each gradient is copied into the peer's
     symmetric-memory buffer by a copy engine and added there, with no NCCL kernel holding SMs
     (``moetune.distributed.peer_copy``; a receive buffer of the replicated gradients' size per rank).
-    On 2 H200s within the spread between runs: ~1 ms faster than NCCL in one session, ~1 ms slower in the
-    next (benchmarks/README.md, ninth and tenth sessions)."""
+    On 2 H200s within the spread between runs: ~1 ms faster than NCCL in one call, ~1 ms slower in the
+    next (2026-11-30, commits e73f328 and 0b36cde; benchmarks/README.md)."""
     vocab_parallel: bool = False
     """``dense_parallel='replicate'``: split the input embedding and the LM head by vocabulary rows over
     all ranks (Megatron-LM's vocabulary parallelism) instead of replicating them: each rank stores,
     updates and keeps AdamW states for 1 / world of them, and the LM head's dense gradient is never
     all-reduced; the step's hidden states travel instead (``moetune.distributed.vocab_parallel``)."""
+
+    fp8: str | None = None
+    """FP8 (e4m3) training of the decoder's linear layers and experts (``moetune.fp8``): 'rowwise'
+    (one scale per token / per channel) or 'blockwise' (DeepSeek-V3's 1 x 128 activation slices and
+    128 x 128 weight tiles). Weights stay in their dtype (bf16 master weights, the same checkpoint);
+    the router, norms, softmax, LM head and loss keep their precision. Needs a GPU with FP8 tensor
+    cores (sm89+) unless ``fp8_backend='reference'``. None: no FP8."""
+    fp8_backend: str = "auto"
+    """With ``fp8``: 'auto' (torch's cuBLAS / CUTLASS FP8 GEMMs where torch has them, moetune's Triton
+    GEMMs elsewhere), 'triton' (moetune's Triton GEMMs everywhere) or 'reference' (the plain-PyTorch
+    reference, dequantised operands multiplied in fp32: any device, CPU included; for tests)."""
+    cuda_graphs: bool = True
+    """On CUDA, replay the decoder stack's training forward and backward from CUDA graphs (one pair per
+    shape bucket; ``moetune.training.graphed_backbone``) under any training loop (Transformers'
+    ``Trainer``, TRL, PEFT, your own), where that is exact; everything else (evaluation, generation,
+    left-padded batches, checkpointed layers with dropout, expert parallelism) runs eagerly as before. False:
+    always eager (``moetune.training.set_training_graphs(model, enabled)`` switches it later)."""
 
     global_aux_loss: bool = False
     """With ``ep_size`` / ``device_mesh``: the MoE load-balancing loss over all ranks' tokens, as one
@@ -86,7 +103,7 @@ class MoetuneOptions:
     def __post_init__(self) -> None:
         if self.ep_size is not None and not is_positive_int(self.ep_size):
             raise ValueError(f"ep_size must be a positive int (or None), got {self.ep_size!r}")
-        for name in ("balanced_gate", "reshard_after_forward"):
+        for name in ("balanced_gate", "reshard_after_forward", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         check_experts_backend_name(self.experts_backend)
@@ -106,12 +123,22 @@ class MoetuneOptions:
         if self.dense_parallel not in DENSE_PARALLEL:
             raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {self.dense_parallel!r}")
         check_vocab_parallel_option(self.vocab_parallel, dense_parallel=self.dense_parallel)
+        from moetune.fp8.settings import fp8_settings
+
+        fp8_settings(self.fp8, self.fp8_backend)  # a ValueError / TypeError naming the field
         if not isinstance(self.global_aux_loss, bool):
             raise ValueError(f"global_aux_loss must be True or False, got {self.global_aux_loss!r}")
 
     @classmethod
     def pop_from(cls, kwargs: dict[str, Any]) -> MoetuneOptions:
         return cls(**{f.name: kwargs.pop(f.name) for f in fields(cls) if f.name in kwargs})
+
+    @property
+    def fp8_settings(self):
+        """``moetune.fp8.Fp8Settings`` for ``fp8`` / ``fp8_backend``, or None."""
+        from moetune.fp8.settings import fp8_settings
+
+        return fp8_settings(self.fp8, self.fp8_backend)
 
     @property
     def distributed(self) -> bool:

@@ -257,7 +257,7 @@ def test_disable_mmap_reads_files_whole(checkpoint, monkeypatch):
     def no_mmap(*_args, **_kwargs):
         raise AssertionError("memory-mapped a file under disable_mmap=True")
 
-    monkeypatch.setattr(loader, "safe_open", no_mmap)
+    monkeypatch.setattr(loader, "open_safetensors", no_mmap)  # the reader's memory-mapped path
     whole = moetune.AutoModelForCausalLM.from_pretrained(checkpoint, disable_mmap=True).state_dict()
     assert whole.keys() == mapped.keys() == expected.keys()
     assert all(torch.equal(whole[k], mapped[k]) for k in whole)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 import moetune
@@ -127,3 +129,62 @@ def test_bad_moetune_options_name_the_option(option, value, message):
     from moetune.options import MoetuneOptions
 
     MoetuneOptions(param_dtype="bfloat16", reduce_dtype=torch.float32, ep_capacity_factor=2)  # the valid forms
+
+
+@pytest.mark.parametrize("disable_mmap", [False, True])
+def test_a_truncated_shard_names_the_file_the_shard_and_the_sizes(reference_qwen3_moe, tmp_path, monkeypatch,
+                                                                  disable_mmap):
+    folder = save_per_expert_checkpoint(reference_qwen3_moe(), tmp_path / "s", max_tensors_per_shard=10)
+    shard = next(folder.glob("model-00002-of-*.safetensors"))
+    num_shards = len(list(folder.glob("model-*.safetensors")))
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    _never_allocate(monkeypatch)
+    with pytest.raises(ValueError, match=rf"{shard} \(shard 2 of {num_shards} listed in model.safetensors.index.json\) is "
+                                         rf"truncated: {len(data) // 2} of the {len(data)} bytes its header describes"):
+        moetune.AutoModelForCausalLM.from_pretrained(folder, disable_mmap=disable_mmap)
+    shard.write_bytes(data[:5])
+    with pytest.raises(ValueError, match=rf"{shard} .* is truncated: 5 bytes"):
+        moetune.AutoModelForCausalLM.from_pretrained(folder, disable_mmap=disable_mmap)
+
+
+@pytest.mark.parametrize("mmap", [True, False])
+def test_a_file_truncated_after_it_was_listed_is_named_where_it_is_read(checkpoint, mmap):
+    from moetune.checkpoint.loader import TensorReader
+
+    path = checkpoint / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-8])
+    with pytest.raises(ValueError, match=rf"{path} is truncated: {len(data) - 8} of the {len(data)} bytes"):
+        with TensorReader(mmap=mmap).open(path):
+            pass
+
+
+def test_a_config_or_index_that_is_not_json_names_the_file_line_and_column(reference_qwen3_moe, checkpoint, tmp_path):
+    config = checkpoint / "config.json"
+    config.write_text(config.read_text().replace(",", "", 1))
+    with pytest.raises(ValueError, match=rf"{config} is not valid JSON: Expecting ',' delimiter \(line \d+, column \d+\)"):
+        moetune.AutoModelForCausalLM.from_pretrained(checkpoint)
+    folder = save_per_expert_checkpoint(reference_qwen3_moe(), tmp_path / "s", max_tensors_per_shard=10)
+    index = folder / "model.safetensors.index.json"
+    index.write_text(index.read_text()[:-2])
+    with pytest.raises(ValueError, match=rf"{index} is not valid JSON: .* \(line 1, column \d+\)"):
+        moetune.AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_an_encoder_built_as_a_causal_lm_warns_naming_the_field(tmp_path):
+    """Transformers builds BERT's causal-LM class without is_decoder and only logs a line; moetune
+    builds it too (a drop-in) but warns, naming model_type and is_decoder."""
+    bert = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   intermediate_size=32)
+    with pytest.warns(UserWarning, match=r"not causal: model_type 'bert': BertLMHeadModel attends in both directions "
+                                         r"unless the config field is_decoder is true"):
+        model = moetune.AutoModelForCausalLM.from_config(bert)
+    model.save_pretrained(tmp_path / "bert")
+    with pytest.warns(UserWarning, match=r"model_type 'bert'.*is_decoder"):
+        moetune.AutoModelForCausalLM.from_pretrained(tmp_path / "bert")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="this causal LM is not causal")  # a decoder config: no warning
+        moetune.AutoModelForCausalLM.from_config(transformers.BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+            is_decoder=True))

@@ -103,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --lora-rank, the moetune side's adapters: moetune.lora's (experts' adapters on the activations) "
         "or PEFT's get_peft_model on moetune's model (user code unchanged but the import)",
     )
+    p.add_argument(
+        "--fp8", choices=("rowwise", "blockwise"), default=None,
+        help="moetune side trains in FP8 (from_config(fp8=...): the decoder's linears and experts; bf16 weights)",
+    )
+    p.add_argument(
+        "--fp8-backend", choices=("auto", "triton", "reference"), default="auto",
+        help="with --fp8: torch's cuBLAS / CUTLASS FP8 GEMMs where torch has them (auto), moetune's Triton GEMMs, or "
+        "the plain-PyTorch reference",
+    )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
         "--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path"
@@ -213,6 +222,8 @@ def _moetune_options(args: argparse.Namespace) -> dict[str, Any]:
             options[key] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             options[key] = value
+    if getattr(args, "fp8", None):
+        options.update(fp8=args.fp8, fp8_backend=args.fp8_backend)
     return options
 
 
@@ -356,7 +367,7 @@ def _bench(args: argparse.Namespace, env: RunEnv, sides: list[str]) -> int:
     data["comparison"] = comparisons(data["rows"])
     if env.is_main:
         print(format_table(data), flush=True)
-    _write(args, env, data, chart=True)
+    _write(args, env, data, suffix=_fp8_suffix(args), chart=True)
     return 0 if parity_ok and not any(r.error for r in results) else 1
 
 
@@ -417,7 +428,7 @@ def _bench_side(
         results.append(result)
         _log(env, f"[{side}] {_row_line(result)}")
         data["rows"] = [r.to_json() for r in results]
-        _write(args, env, data, quiet=True)
+        _write(args, env, data, suffix=_fp8_suffix(args), quiet=True)
 
     run_rows(
         bench, rows, env=env, flops_per_token={args.seq_len: data["flops_per_token"]},
@@ -427,6 +438,11 @@ def _bench_side(
     )
     del bench
     _free(env)
+
+
+def _fp8_suffix(args: argparse.Namespace) -> str:
+    """Result files of an FP8 run are named apart from the bf16 run's of the same model and date."""
+    return f"-fp8-{args.fp8}-{args.fp8_backend}" if args.fp8 else ""
 
 
 def _row_line(result: RowResult) -> str:

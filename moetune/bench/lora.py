@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from moetune.bench.weights import init_weights
 from moetune.lora import LoraSettings, apply_lora, lora_parameters, remove_lora
 
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
@@ -41,8 +42,6 @@ def lora_settings(rank: int, alpha: float | None, config) -> LoraSettings:
 
 def init_adapters(model: nn.Module, *, seed: int) -> None:
     """Each adapter tensor drawn as ``init_weights`` draws every weight: normal(0, 0.02) seeded by (seed, name)."""
-    from moetune.bench.models import init_weights
-
     init_weights(model, seed=seed, parameters=lora_parameters(model))
 
 

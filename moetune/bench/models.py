@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,12 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
+from moetune.bench.lora import adapt_with_moetune_lora, adapt_with_peft, lora_notes
+from moetune.bench.weights import init_weights, sharded_weights_match
 from moetune.moe.routing import balanced_assignment
 
 SIDES = ("hf", "moetune")
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "assets" / "configs"
-INIT_STD = 0.02
 
 
 class SideUnavailable(RuntimeError):
@@ -43,6 +43,19 @@ def load_config(name_or_path: str, *, layers: int | None = None) -> tuple[str, t
 
     Returns (short name for result files, config with ``num_hidden_layers`` overridden by ``layers``).
     """
+    path = config_path(name_or_path, what="--config")
+    model_type = json.loads(path.read_text()).get("model_type")
+    if model_type not in HF_ROUTERS:
+        raise ValueError(f"moetune bench supports the model types moetune implements ({', '.join(HF_ROUTERS)}), got {model_type!r}")
+    config = transformers.AutoConfig.from_pretrained(str(path))  # Transformers' reader (e.g. its encoding of inf)
+    with_layers(config, layers)
+    config.use_cache = False
+    return short_name(path), config
+
+
+def config_path(name_or_path: str, *, what: str) -> Path:
+    """The config.json of a shipped config name, a config.json or a folder holding one; ``what`` names
+    the argument in the error."""
     path = Path(name_or_path)
     shipped = CONFIGS_DIR / f"{name_or_path}.json"
     if shipped.is_file():
@@ -51,96 +64,30 @@ def load_config(name_or_path: str, *, layers: int | None = None) -> tuple[str, t
         path = path / "config.json"
     if not path.is_file():
         known = sorted(p.stem for p in CONFIGS_DIR.glob("*.json"))
-        raise ValueError(f"--config {name_or_path!r}: neither a shipped config ({', '.join(known)}) nor a config.json")
-    model_type = json.loads(path.read_text()).get("model_type")
-    if model_type not in HF_ROUTERS:
-        raise ValueError(f"moetune bench supports the model types moetune implements ({', '.join(HF_ROUTERS)}), got {model_type!r}")
-    config = transformers.AutoConfig.from_pretrained(str(path))  # Transformers' reader (e.g. its encoding of inf)
-    if layers is not None:
-        if layers < 1:
-            raise ValueError(f"--layers must be >= 1, got {layers}")
-        if isinstance(getattr(config, "layer_types", None), list):
-            # Per-layer kinds (GPT-OSS's sliding / full attention, Nemotron-H's pattern, where the
-            # list's length is the number of layers): the first ``layers`` of them.
-            config.layer_types = config.layer_types[:layers]
-        config.num_hidden_layers = layers
-        if hasattr(config, "max_window_layers"):
-            config.max_window_layers = min(config.max_window_layers, layers)
-    config.use_cache = False
+        raise ValueError(f"{what} {name_or_path!r}: neither a shipped config ({', '.join(known)}) nor a config.json")
+    return path
+
+
+def short_name(path: Path) -> str:
+    """``qwen3-30b-a3b`` for a shipped config's file, the folder's name for a config.json."""
     name = path.stem if path.name != "config.json" else path.parent.name
-    return name.replace("_", "-"), config
+    return name.replace("_", "-")
 
 
-def _param_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def _draw(seed: int, name: str, shape: torch.Size, device: torch.device) -> torch.Tensor:
-    generator = torch.Generator(device=device).manual_seed(_param_seed(seed, name))
-    return torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, INIT_STD, generator=generator)
-
-
-def _is_norm_weight(name: str, param: torch.Tensor) -> bool:
-    module = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-    return param.dim() == 1 and "norm" in module
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, *, seed: int, round_to: torch.dtype | None = None,
-                 parameters: Iterable[tuple[str, nn.Parameter]] | None = None) -> None:
-    """Deterministic init: for each parameter in sorted name order, normal(0, 0.02) from a generator
-    seeded by (seed, name) (norm weights ones, other 1-D parameters zeros).
-
-    Values are drawn in fp32 on the parameter's device, optionally rounded through ``round_to``
-    (an fp32 reference built with ``round_to=torch.bfloat16`` holds exactly the bf16 model's
-    weights), then cast to the parameter's dtype. Sharded (DTensor) parameters receive their
-    local block of the full tensor, so sharded and unsharded models get the same weights.
-    ``parameters``: (name, parameter) pairs to draw instead of all of ``model``'s (e.g. LoRA adapters
-    added after the weights).
-    """
-    for name, param in sorted(model.named_parameters() if parameters is None else parameters, key=lambda np: np[0]):
-        local = param.to_local() if hasattr(param, "to_local") else param
-        device = local.device
-        if _is_norm_weight(name, param):
-            full = torch.ones(param.shape, dtype=torch.float32, device=device)
-        elif param.dim() == 1:
-            full = torch.zeros(param.shape, dtype=torch.float32, device=device)
-        else:
-            full = _draw(seed, name, param.shape, device)
-        if round_to is not None:
-            full = full.to(round_to).float()
-        full = full.to(param.dtype)
-        if local is param:
-            param.copy_(full)
-        else:
-            local.copy_(_local_block(full, param))
-        del full
-
-
-@torch.no_grad()
-def sharded_weights_match(model: nn.Module, *, seed: int) -> bool:
-    """Whether every sharded (DTensor) parameter gathers back to exactly what ``init_weights`` drew
-    (a check of ``_local_block`` on placements such as FSDP2-over-EP's ``_StridedShard``)."""
-    for name, param in sorted(model.named_parameters()):
-        if not hasattr(param, "full_tensor") or _is_norm_weight(name, param) or param.dim() == 1:
-            continue
-        full = _draw(seed, name, param.shape, param.to_local().device)
-        if not torch.equal(param.full_tensor(), full.to(param.dtype)):
-            return False
-    return True
-
-
-def _local_block(full: torch.Tensor, param: Any) -> torch.Tensor:
-    """This rank's block of a DTensor parameter, cut locally from the full tensor (every rank drew
-    the same values, so no communication is needed)."""
-    from torch.distributed.tensor import distribute_tensor
-
-    try:
-        sharded = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-    except TypeError:  # torch without src_data_rank: scatter from rank 0 (same values anyway)
-        sharded = distribute_tensor(full, param.device_mesh, param.placements)
-    return sharded.to_local()
+def with_layers(config: transformers.PretrainedConfig, layers: int | None) -> transformers.PretrainedConfig:
+    """``config`` cut to its first ``layers`` layers, in place (None: unchanged)."""
+    if layers is None:
+        return config
+    if layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {layers}")
+    if isinstance(getattr(config, "layer_types", None), list):
+        # Per-layer kinds (GPT-OSS's sliding / full attention, Nemotron-H's pattern, where the
+        # list's length is the number of layers): the first ``layers`` of them.
+        config.layer_types = config.layer_types[:layers]
+    config.num_hidden_layers = layers
+    if hasattr(config, "max_window_layers"):
+        config.max_window_layers = min(config.max_window_layers, layers)
+    return config
 
 
 # Transformers' router class of each family, patched for the balanced gate (module, class name).
@@ -269,10 +216,8 @@ def build_hf(
         "requested_experts_implementation": requested,
     }
     if lora is not None:  # before FSDP2, which shards only the parameters that exist when it runs
-        from moetune.bench.lora import adapt_with_peft
-
-        model, lora_notes = adapt_with_peft(model, lora, seed=seed)
-        notes.update(lora_notes)
+        model, peft_notes = adapt_with_peft(model, lora, seed=seed)
+        notes.update(peft_notes)
     if world_size > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -352,6 +297,9 @@ def build_moetune(
     config = copy.deepcopy(config)
     options = dict(options or {})
     notes: dict[str, Any] = {"options": dict(options)} if options else {}
+    # moetune's eager rows stay eager (the graphed rows replay moetune's whole step instead); the
+    # graphs that replay the decoder stack under a user's own loop: --moetune-option cuda_graphs=True.
+    options.setdefault("cuda_graphs", False)
     if world_size > 1:
         _require_expert_parallelism()
         options.setdefault("ep_size", world_size)
@@ -380,15 +328,11 @@ def build_moetune(
                                                num_ranks=options.get("ep_size", world_size))  # fmt: skip
         set_moe_options(model, balanced_gate=balanced_gate)
     if lora is not None and world_size > 1:
-        from moetune.bench.lora import lora_notes
-
         notes.update(lora_notes(model, "moetune.lora through from_config(lora=...), between expert parallelism and FSDP2"))
     elif lora is not None:
-        from moetune.bench.lora import adapt_with_moetune_lora, adapt_with_peft
-
         if lora_with_peft:
-            model, lora_notes = adapt_with_peft(model, lora, seed=seed)
-            notes.update(lora_notes)
+            model, peft_notes = adapt_with_peft(model, lora, seed=seed)
+            notes.update(peft_notes)
         else:
             notes.update(adapt_with_moetune_lora(model, lora, seed=seed))
     if compile_layers:

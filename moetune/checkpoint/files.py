@@ -4,13 +4,18 @@ from the headers only (nothing is loaded). Pickle files are never opened. An in-
 
 from __future__ import annotations
 
-import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
+
+from moetune.utils.file_errors import unreadable_safetensors
+from moetune.utils.json_files import read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -65,10 +70,10 @@ def list_checkpoint_tensors(folder: str | os.PathLike, *, variant: str | None = 
             f"no {single_path.name} or {index_path.name} in {str(folder)!r} (the files of variant={variant!r})"
         )
     if index_path.is_file():
-        try:
-            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as error:
-            raise ValueError(f"{index_path} is not a valid safetensors index (needs a 'weight_map'): {error}") from None
+        index = read_json(index_path)
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index_path} is not a valid safetensors index (needs a 'weight_map' object)")
         files = sorted({folder / name for name in weight_map.values()})
     elif single_path.is_file():
         files = [single_path]
@@ -79,16 +84,29 @@ def list_checkpoint_tensors(folder: str | os.PathLike, *, variant: str | None = 
         hint = f" (found {pickles}: moetune reads safetensors only and never unpickles weights)" if pickles else ""
         raise FileNotFoundError(f"no *.safetensors weights in {str(folder)!r}{hint}")
     tensors: dict[str, TensorInfo] = {}
-    for path in files:
+    for number, path in enumerate(files, start=1):
         if not path.is_file():
             raise FileNotFoundError(f"{index_path} lists {path.name!r}, which does not exist in {str(folder)!r}")
-        with safe_open(path, framework="pt") as handle:
+        shard = f"shard {number} of {len(files)} listed in {index_path.name}" if index_path.is_file() else ""
+        with open_safetensors(path, shard=shard) as handle:
             for key in handle.keys():
                 view = handle.get_slice(key)
                 if key in tensors:
                     raise ValueError(f"tensor {key!r} appears in both {tensors[key].file.name} and {path.name}")
                 tensors[key] = TensorInfo(path, tuple(view.get_shape()), view.get_dtype(), key)
     return tensors
+
+
+@contextmanager
+def open_safetensors(path: Path, *, shard: str = "") -> Iterator[Any]:
+    """``safe_open(path)``; a file safetensors cannot open raises a ValueError naming it (and its
+    ``shard`` description) and, for a truncated file, its size against the size its header describes."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise ValueError(unreadable_safetensors(path, err, shard=shard)) from None
+    with handle:
+        yield handle
 
 
 # torch dtype -> the safetensors header's name for it (what ``safe_open``'s ``get_dtype`` reports).

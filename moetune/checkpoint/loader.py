@@ -26,11 +26,12 @@ from math import prod
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError
 from torch import nn
 
 from moetune.checkpoint import fp8, mxfp4
-from moetune.checkpoint.files import TensorInfo
+from moetune.checkpoint.files import TensorInfo, open_safetensors
+from moetune.utils.file_errors import unreadable_safetensors
 from moetune.checkpoint.layout import CheckpointLayout, Region
 
 
@@ -325,7 +326,7 @@ class TensorReader:
                 raise ValueError("a tensor of an in-memory state dict, but the reader was given no state_dict")
             yield _Tensors(self.state_dict)
         elif self.mmap:
-            with safe_open(str(file), framework="pt") as handle:
+            with open_safetensors(file) as handle:
                 yield handle
         else:
             yield self._read_whole(str(file))
@@ -339,7 +340,10 @@ class TensorReader:
         from safetensors.torch import load
 
         with open(path, "rb") as file:
-            self._whole[path] = _Tensors(load(file.read()))
+            try:
+                self._whole[path] = _Tensors(load(file.read()))
+            except SafetensorError as err:
+                raise ValueError(unreadable_safetensors(Path(path), err)) from None
         return self._whole[path]
 
 

@@ -3,6 +3,7 @@ its own shards of the model and optimizer state, in parallel, and a run can resu
 mesh (DCP reshards to another world size / ep size as well, since it stores global offsets).
 
 For a Hugging Face checkpoint (gathered, per-expert) use ``model.save_pretrained`` on every rank.
+Reading unpickles nothing but DCP's own metadata records and plain values (``dcp_files.py``).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from moetune.distributed.dcp_files import load_dcp, save_dcp
 
 
 def save_distributed_checkpoint(
@@ -22,7 +24,7 @@ def save_distributed_checkpoint(
     state = _state(model, optimizer)
     if extra:
         state["extra"] = dict(extra)
-    dcp.save(state, checkpoint_id=str(path))
+    save_dcp(state, path)
 
 
 def load_distributed_checkpoint(
@@ -36,7 +38,7 @@ def load_distributed_checkpoint(
     state = _state(model, optimizer)
     if extra is not None:
         state["extra"] = extra
-    dcp.load(state, checkpoint_id=str(path))
+    load_dcp(state, path)  # nothing unpickled but DCP's own metadata records and plain values
     options = StateDictOptions(strict=True)
     if optimizer is None:
         set_state_dict(model, (), model_state_dict=state["model"], optim_state_dict={}, options=options)

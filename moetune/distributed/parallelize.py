@@ -55,6 +55,7 @@ from moetune.options import (
     check_vocab_parallel_option,
     resolve_float_dtype,
 )
+from moetune.utils.materialize import materialize
 
 
 @dataclass
@@ -447,8 +448,6 @@ def _capacity_factor(value) -> float | None:
 
 
 def allocate(model: nn.Module, device: torch.device, *, init_weights: bool) -> None:
-    from moetune.auto import materialize  # deferred: moetune.auto imports this module lazily too
-
     materialize(model, device)
     if init_weights:
         with torch.no_grad(), sharded_init_functions():

@@ -2,7 +2,7 @@
 NCCL kernels (``dense_parallel="replicate"``, ``replicate_transport="copy_engine"``).
 
 Why: on 2 H200s the per-parameter NCCL all-reduces of the replicated gradients cost ~5 ms of a
-~113 ms expert-parallel step, although their bytes do not (benchmarks/README.md, ninth session):
+~113 ms expert-parallel step, although their bytes do not (2026-11-30, commit e73f328; benchmarks/README.md):
 each all-reduce is a kernel whose CTAs hold SMs while it waits for the peer, beside the backward's
 GEMMs and the experts' own collectives. Here a gradient travels by a device-to-device copy into the
 peer's receive buffer (a copy engine, no SM), the ranks meet at a symmetric-memory barrier (one small

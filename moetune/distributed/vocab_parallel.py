@@ -46,7 +46,14 @@ from torch.distributed.tensor import DTensor, Shard
 from moetune.distributed.collectives import gather_rows, pad_rows, scatter_sum_rows
 from moetune.distributed.token_counts import LargestTokenCount
 from moetune.kernels.cross_entropy import cross_entropy_shard_grad_, cross_entropy_shard_stats
-from moetune.layers.linear_cross_entropy import accumulate_head_grad, as_dtypes, gemm_operands, saved_gradients_scaled
+from moetune.layers.linear_cross_entropy import (
+    IGNORE_INDEX,
+    accumulate_head_grad,
+    as_dtypes,
+    gemm_operands,
+    loss_normalizer,
+    saved_gradients_scaled,
+)
 
 
 class VocabShard:
@@ -132,15 +139,32 @@ class VocabParallelEmbedding:
 
 class VocabParallelLMHead:
     """Mixed into the LM head's ``nn.Linear`` class by ``shard_vocabulary``: ``head(hidden)`` returns
-    the full-vocabulary logits of this rank's tokens. The training loss does not call it: the fused
-    loss takes the weight (``vocab_parallel_cross_entropy``)."""
+    the full-vocabulary logits of this rank's tokens. The training loss does not call it: the causal
+    LM's fused loss (``moetune.layers.lm_head_cross_entropy``) calls ``fused_cross_entropy``."""
 
     _vocab_shard: VocabShard
+    weight: DTensor
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         h_TH = input.reshape(-1, input.shape[-1])
         logits_TV = _VocabParallelLogits.apply(h_TH, self.weight.to_local(), self._vocab_shard)
         return logits_TV.reshape(*input.shape[:-1], logits_TV.shape[-1])
+
+    def fused_cross_entropy(
+        self,
+        hidden_TH: torch.Tensor,
+        targets_T: torch.Tensor,
+        *,
+        num_items_in_batch: int | torch.Tensor | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        chunk_rows: int | None = None,
+    ) -> torch.Tensor:
+        """``linear_cross_entropy``'s semantics on the split head (``vocab_parallel_cross_entropy``)."""
+        normalizer = loss_normalizer(hidden_TH, self.weight.dtype, targets_T, num_items_in_batch=num_items_in_batch,
+                                     ignore_index=ignore_index)  # fmt: skip
+        return vocab_parallel_cross_entropy(
+            hidden_TH, self.weight, targets_T, normalizer, chunk_rows=chunk_rows, ignore_index=ignore_index
+        )
 
 
 class _VocabParallelEmbedding(torch.autograd.Function):

@@ -1,10 +1,25 @@
-"""``moetune.Trainer``: Transformers' ``Trainer`` that also trains moetune's expert-parallel models.
+"""``moetune.Trainer`` (and ``moetune.SFTTrainer``): Transformers' ``Trainer`` (TRL's
+``SFTTrainer``) with moetune's optimizer on one GPU, that also trains moetune's expert-parallel models.
 
     # from transformers import Trainer
-    from moetune import Trainer
+    from moetune import Trainer            # or: from moetune import SFTTrainer (TRL)
 
-For any model that moetune did not parallelize this is ``transformers.Trainer`` unchanged. A model
-loaded with ``ep_size`` / ``device_mesh`` under torchrun shards itself (expert parallelism plus
+On one CUDA device, for a model that holds a moetune decoder stack (also inside PEFT's wrapper):
+
+- torch's AdamW (Transformers' default ``adamw_torch_fused``, or ``adamw_torch``) becomes
+  ``moetune.optim.AdamW`` with the same groups and hyper-parameters: the same update, one Triton
+  kernel per tensor, about twice the bandwidth of torch's fused kernel on large expert tensors
+  (37.5 vs 19.3 ms for Qwen3-30B-A3B's 8-layer 5.6 B bf16 parameters on an H200,
+  benchmarks/README.md). A step whose gradient norm is not finite leaves the weights unchanged
+  (torch's would write NaNs into them);
+- gradient clipping (``max_grad_norm``) measures the norm with moetune's one-pass kernel and hands the
+  clipping coefficient to that AdamW, which applies it as it reads each gradient, instead of a
+  pass that reads and writes every gradient;
+- forward and backward replay CUDA graphs, as with the model import alone
+  (``moetune.training.graphed_backbone``).
+Any other model, optimizer or device: Transformers' ``Trainer`` unchanged.
+
+A model loaded with ``ep_size`` / ``device_mesh`` under torchrun shards itself (expert parallelism plus
 FSDP2 or replicated parameters) and reduces its own gradients, which Transformers' ``Trainer`` does
 not know: accelerate would wrap it in DDP (and fail on its DTensor parameters), clip its gradients
 with torch's clipping (wrong across meshes on older accelerate), save the model from the main
@@ -13,10 +28,9 @@ process's optimizer shards only. Here, for such a model:
 
 - no DDP / FSDP wrapping by accelerate (``prepare_model(..., evaluation_mode=True)``);
 - clipping through ``moetune.distributed.clip_grad_norm_``;
-- torch's AdamW (Transformers' default) becomes ``moetune.optim.AdamW`` with the same groups and
-  the same update: torch's multi-tensor kernels cannot step replicated tensors and DTensors together
-  (``dense_parallel="replicate"``) nor are they known to take DTensors on different meshes, and
-  moetune's kernel streams bf16 states at about twice the bandwidth (benchmarks/README.md);
+- torch's AdamW becomes ``moetune.optim.AdamW`` (as above; torch's multi-tensor kernels cannot step
+  replicated tensors and DTensors together (``dense_parallel="replicate"``) nor are they known to take
+  DTensors on different meshes);
 - ``save_model`` gathers on every rank and the main process writes a plain Hugging Face checkpoint;
 - checkpoints for resuming hold the model and optimizer shards as a torch.distributed.checkpoint
   folder (``moetune_dcp/``, written and read by every rank) next to that Hugging Face copy; the
@@ -27,6 +41,7 @@ Not supported with an expert-parallel model: ``load_best_model_at_end`` (refused
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -37,12 +52,30 @@ from moetune.distributed.mesh import is_sharded_by_moetune
 DCP_FOLDER = "moetune_dcp"
 
 
-class Trainer(transformers.Trainer):
-    """``transformers.Trainer`` that also trains moetune's expert-parallel models (see the module)."""
+class MoetuneTrainerMixin:
+    """What ``moetune.Trainer`` adds to Transformers' ``Trainer`` (and to subclasses such as TRL's
+    ``SFTTrainer``); see the module. Put it first among the bases."""
 
     def __init__(self, model=None, *args, **kwargs) -> None:
         super().__init__(model, *args, **kwargs)
         self._moetune_parallel = is_sharded_by_moetune(self.model)
+        self._moetune_optimizer = None  # moetune's AdamW when it replaced torch's (clipping goes through it)
+        accelerator = self.accelerator
+        clip_with_torch = accelerator.clip_grad_norm_
+
+        def clip_grad_norm_(parameters, max_norm, norm_type=2):
+            from moetune.distributed import clip_grad_norm_ as clip
+
+            if self._moetune_parallel:  # across both sets of shards
+                accelerator.unscale_gradients()
+                return clip(list(parameters), max_norm, norm_type=norm_type)
+            if self._moetune_optimizer is None or norm_type != 2:
+                return clip_with_torch(parameters, max_norm, norm_type=norm_type)
+            accelerator.unscale_gradients()
+            # The norm in one pass; moetune's AdamW applies the coefficient as it reads the gradients.
+            return clip(list(parameters), max_norm, optimizer=self._moetune_optimizer)
+
+        accelerator.clip_grad_norm_ = clip_grad_norm_
         if not self._moetune_parallel:
             return
         if self.args.load_best_model_at_end:
@@ -50,25 +83,18 @@ class Trainer(transformers.Trainer):
                 "moetune.Trainer: load_best_model_at_end is not supported with an expert-parallel model; "
                 "keep the checkpoints and reload the best one with from_pretrained(..., ep_size=...)"
             )
-        accelerator, ours = self.accelerator, self.model
-        prepare_model = accelerator.prepare_model
+        prepare_model, ours = accelerator.prepare_model, self.model
 
         def prepare_without_wrapping(model, device_placement=None, evaluation_mode=False):
             # The model reduces its own gradients (FSDP2 / replicated sync): no DDP on top.
             return prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode or model is ours)
 
-        def clip_grad_norm_(parameters, max_norm, norm_type=2):
-            from moetune.distributed import clip_grad_norm_ as clip
-
-            accelerator.unscale_gradients()
-            return clip(list(parameters), max_norm, norm_type=norm_type)
-
         accelerator.prepare_model = prepare_without_wrapping
-        accelerator.clip_grad_norm_ = clip_grad_norm_
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        if self._moetune_parallel and _plain_torch_adamw(self.optimizer):
+        one_gpu = _holds_moetune_stack(self.model) and _trainable_on_one_cuda_device(self.model)
+        if (self._moetune_parallel or one_gpu) and _plain_torch_adamw(self.optimizer):
             from moetune.optim import AdamW
 
             torch_adamw = self.optimizer
@@ -77,6 +103,7 @@ class Trainer(transformers.Trainer):
                  for group in torch_adamw.param_groups]
             )  # fmt: skip
             optimizer = self.optimizer
+            self._moetune_optimizer = None if self._moetune_parallel else self.optimizer
         return optimizer
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -124,6 +151,32 @@ class Trainer(transformers.Trainer):
         scheduler_file = os.path.join(checkpoint, transformers.trainer.SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(scheduler_file):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+
+class Trainer(MoetuneTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` with moetune's optimizer on one GPU, that also trains moetune's
+    expert-parallel models (see the module)."""
+
+
+@functools.cache
+def sft_trainer_class() -> type:
+    """``moetune.SFTTrainer``: TRL's ``SFTTrainer`` with the same additions (TRL imported on first use)."""
+    import trl
+
+    return type("SFTTrainer", (MoetuneTrainerMixin, trl.SFTTrainer), {
+        "__doc__": "TRL's ``SFTTrainer`` with moetune's optimizer on one GPU (see ``moetune.integrations.trainer``).",
+        "__module__": __name__,
+    })  # fmt: skip
+
+
+def _holds_moetune_stack(model: torch.nn.Module) -> bool:
+    """Whether ``model`` (possibly inside PEFT's or another wrapper) holds a moetune decoder stack."""
+    return any(hasattr(type(module), "cuda_graph_training") for module in model.modules())
+
+
+def _trainable_on_one_cuda_device(model: torch.nn.Module) -> bool:
+    devices = {p.device for p in model.parameters() if p.requires_grad}
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
 def _unwrap(optimizer):

@@ -21,7 +21,7 @@ import torch
 
 from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, tl, triton, use_triton
 
-# Launch settings measured on an H200 (benchmarks/ce_probe.py, benchmarks/results/ce_probe_h200_1872cf9.jsonl;
+# Launch settings measured on an H200 (benchmarks/probes/ce_probe.py, benchmarks/results/ce_probe_h200_1872cf9.jsonl;
 # one 1766 x 151,936 bf16 chunk): 8 warps and 8192-column blocks 443.5 us, 16 / 4096 496.2 us. A
 # persistent grid of 1-4 programs per SM (hoping pass 2 would re-read rows from L2) was slower: 445-1132 us.
 _BLOCK_V = 8192

@@ -13,7 +13,7 @@ Two kernels, both with the group boundaries on the device (no host sync, CUDA-gr
 
 Why: torch's ``_grouped_mm`` (CUTLASS) runs these shapes (128 experts of ~256 rows, H 2048, I 768)
 at ~440 TFLOP/s on an H200 while dense GEMMs reach 700-800, and the dispatch gather is a separate
-bandwidth-bound pass; ``benchmarks/grouped_gemm_probe.py`` measures both against this file.
+bandwidth-bound pass; ``benchmarks/probes/grouped_gemm_probe.py`` measures both against this file.
 
 How the ragged M tiles find their expert: each program loads the E group ends (one small vector),
 counts the M tiles of every group (``cdiv(count, BLOCK_M)``), takes their running sum and finds its
@@ -59,7 +59,7 @@ def grouped_weight_grad_reference(
 
 
 # Launch settings (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); measured on an H200 by
-# benchmarks/grouped_gemm_probe.py. Overridable for the probe through ``config=``.
+# benchmarks/probes/grouped_gemm_probe.py. Overridable for the probe through ``config=``.
 ROWS_CONFIG = (128, 128, 64, 8, 4)
 WEIGHT_GRAD_CONFIG = (128, 128, 64, 8, 4)
 
@@ -82,6 +82,17 @@ if HAS_TRITON:
         return group, row, end
 
     @triton.jit
+    def _rows_tile(offsets_ptr, num_cols, E: tl.constexpr, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # This program's (group, rows, row mask, columns, column mask) of a ragged-M GEMM, column
+        # tiles innermost; group == E past the last tile.
+        pid = tl.program_id(0)
+        num_col_tiles = tl.cdiv(num_cols, BLOCK_N)
+        group, row0, end = _group_of_tile(offsets_ptr, pid // num_col_tiles, E, E_POW2, BLOCK_M)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        cols = (pid % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        return group, rows, rows < end, cols, cols < num_cols
+
+    @triton.jit
     def _grouped_rows_kernel(
         a_ptr, order_ptr, b_ptr, c_ptr, offsets_ptr,
         num_cols, K, top_k,
@@ -91,18 +102,12 @@ if HAS_TRITON:
     ):  # fmt: skip
         # Program = (M tile, column tile), column tiles innermost: the programs that run together
         # share the A tile, and the next M tile of the same group finds b[group] in L2.
-        pid = tl.program_id(0)
-        num_col_tiles = tl.cdiv(num_cols, BLOCK_N)
-        group, row0, end = _group_of_tile(offsets_ptr, pid // num_col_tiles, E, E_POW2, BLOCK_M)
+        group, rows, row_mask, cols, col_mask = _rows_tile(offsets_ptr, num_cols, E, E_POW2, BLOCK_M, BLOCK_N)
         if group >= E:
             return
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < end
         src = rows.to(tl.int64)
         if GATHER:
             src = tl.load(order_ptr + rows, mask=row_mask, other=0).to(tl.int64) // top_k
-        cols = (pid % num_col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < num_cols
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + src[:, None] * stride_am + ks[None, :] * stride_ak
         b_ptrs = b_ptr + group.to(tl.int64) * stride_be + ks[:, None] * stride_bk + cols[None, :] * stride_bc

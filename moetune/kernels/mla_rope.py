@@ -17,7 +17,7 @@ The backward is the transpose, and the shared key's gradient is the sum over hea
 
 At Moonlight-16B-A3B's shapes on an H200 Transformers' ops for this took ~520 us of each layer's
 ~1.8 ms attention forward + backward (five concatenations at ~51 us, copies and elementwise RoPE
-kernels; benchmarks/results/session15/mla_module_profile.txt).
+kernels; profiled on 2026-12-01 at 352bfe1, benchmarks/probes/mla_attention_probe.py --profile).
 
 Shape legend: B batch, S sequence, H heads, Q = Dn + R query / key width, X = Dn + Dv.
 """

@@ -28,7 +28,7 @@ from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2
 
 _MAX_BLOCK_H = 2048
 # Elements per program of the gather, without and with the second read (y, for the weights'
-# gradient), and its warps (None: warps_for). Measured on an H200 (benchmarks/gather_probe.py,
+# gradient), and its warps (None: warps_for). Measured on an H200 (benchmarks/probes/gather_probe.py,
 # benchmarks/results/gather_probe_h200_4cf0eeb.jsonl; 32768 rows of 2048 bf16): one row and 4
 # warps 52.6 us (59.0 with 8 warps); with the dot products two rows and 4 warps 101.5 us (108.3).
 _GATHER_TILE = 2048

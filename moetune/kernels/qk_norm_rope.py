@@ -40,7 +40,7 @@ from moetune.kernels.rope import _rope_torch, _unit_last, apply_rope_reference
 
 _TILE = 2048  # elements per half-tile (heads x D/2) held in registers, as in rope.py
 # Launch settings measured on an H200 with the forward + backward replayed from a CUDA graph
-# (benchmarks/qk_norm_rope_probe.py, benchmarks/results/qk_norm_rope_probe_graphed_h200_800f0d2.jsonl;
+# (benchmarks/probes/qk_norm_rope_probe.py, benchmarks/results/qk_norm_rope_probe_graphed_h200_800f0d2.jsonl;
 # Qwen3-30B-A3B, 4096 positions): 4 warps forward, 2 persistent programs per SM with 4 warps
 # backward: 119.1 us per layer against 129.3 for the unfused norms + RoPE; more warps were slower
 # (8 / 16 backward warps: 189-275 us).

@@ -12,13 +12,13 @@ the device-side group ends ``offsets_E`` (no host sync):
 
 Why: on an H200 at Qwen3-30B-A3B's expert shapes (128 experts, H 2048, I 768, 32768 routed rows)
 these run 1.03-1.25x faster than torch's CUTLASS grouped GEMM on the row GEMMs and 1.08-1.6x on
-the weight gradients (``benchmarks/kernel_library_probe.py``, results in
-``benchmarks/results/session20/``). quack tunes each shape on its first call (eager warm-up steps
+the weight gradients (``benchmarks/probes/kernel_library_probe.py``, results in
+``benchmarks/results/kernel_library_probe_h200_2fa7f57.jsonl``, 2026-12-04). quack tunes each shape on its first call (eager warm-up steps
 do that before a CUDA graph is captured).
 
 Shapes: quack's own autotuner keys on every operand's exact shape, so each new number of routed rows
 would be a new tuning sweep (6-11 s per GEMM on an H100 at the shapes above, against ~0.5 ms a
-tuned call: ``benchmarks/quack_tune_probe.py``), and unpacked batches or the all-to-all dispatchers'
+tuned call: ``benchmarks/probes/quack_tune_probe.py``), and unpacked batches or the all-to-all dispatchers'
 received rows bring a new count nearly every step. So moetune tunes once per GEMM shape and
 power-of-two bucket of the row count (``TunedConfigs``, ``row_bucket``) and launches every other
 count of that bucket with the winning config, which costs no compile (0.4-0.8 ms first call) and
@@ -72,7 +72,7 @@ def _group_starts(offsets_E: torch.Tensor) -> torch.Tensor:
 SMALLEST_ROW_BUCKET = 8192
 """Row counts up to this share one tuned config: at Qwen3-30B-A3B's expert shapes quack's tuner picks
 the same configs from 2,048 to 8,192 rows, and the 8,192-row configs run 2,048-6,000 rows within
--6%..+10% of each count's own tuning (``benchmarks/quack_tune_probe.py``, H100)."""
+-6%..+10% of each count's own tuning (``benchmarks/probes/quack_tune_probe.py``, H100)."""
 
 
 def row_bucket(rows: int) -> int:

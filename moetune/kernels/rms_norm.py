@@ -23,7 +23,7 @@ from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2
 MAX_TRITON_COLS = 32768
 _TILE = 2048  # elements per program: several short rows (q/k norm) or one long row (hidden)
 # The backward's persistent programs loop over row tiles. Launch settings per row width, measured on
-# an H200 (benchmarks/rms_norm_probe.py, benchmarks/results/rms_norm_probe_h200_2c019ae.jsonl):
+# an H200 (benchmarks/probes/rms_norm_probe.py, benchmarks/results/rms_norm_probe_h200_2c019ae.jsonl):
 # hidden rows [4096, 2048] 49.9 us with 2048-element tiles and 4 programs per SM (60.8 with the
 # 8192 / 2 used before); head_dim rows (q_norm [131072, 128]) 58.0 us with 8192-element tiles, 2 per
 # SM and 4 warps (82.1 with the default warps). None: the per-width default below.
@@ -34,8 +34,8 @@ _BWD_NUM_WARPS: int | None = None
 
 # Partial-sum reduction, latency-bound: 512 partial rows per load round and 8 warps; for the hidden
 # norms (2048 columns) 16 columns per program (128 programs), for the q / k norms (head_dim columns)
-# all of them in one program. On an H200 (benchmarks/sum_partials_probe.py,
-# benchmarks/results/session10_h200x2/sum_partials_probe_6d5e468.jsonl): [528, 2048] 8.7 us alone and
+# all of them in one program. On an H200 (benchmarks/probes/sum_partials_probe.py,
+# benchmarks/results/sum_partials_probe_h200_6d5e468.jsonl): [528, 2048] 8.7 us alone and
 # 5.8 beside a streaming copy (12.5 / 7.3 with the 16-column, 128-row, 4-warp setting used before);
 # [264, 128] 8.2 / 6.4 (9.9 / 28.6: its 8 programs stalled beside the copy, as beside the overlapped
 # AdamW updates of the graphed expert-parallel step, where the kernel took ~29 us per call).

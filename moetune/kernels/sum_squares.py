@@ -8,8 +8,8 @@ is summed at the end (no atomics: the same bits every run); the small rest go th
 
 Why: ``torch._foreach_norm`` cuts every tensor into 64K-element chunks of a few hundred blocks per
 launch; on an H200 it read a Qwen3-30B-A3B 8-layer model's bf16 gradients (11 GB) at ~2.5 TB/s
-(4.5 ms of the recipe's 75 ms step, ``benchmarks/results/session17``), and clipping must finish it
-before any update starts. ``benchmarks/sum_squares_probe.py`` times both.
+(4.5 ms of the recipe's 75 ms step, the recipe's profile of 2026-12-01 at 1b1f43d), and clipping must finish it
+before any update starts. ``benchmarks/probes/sum_squares_probe.py`` times both.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ MODES = ("none", "full", "selective")
 def _saved_ops() -> set:
     """Ops whose outputs selective checkpointing keeps (those that exist in this torch build)."""
     names = [
-        "mm", "addmm", "bmm", "baddbmm", "_grouped_mm",
+        "mm", "addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_mm", "_scaled_grouped_mm",  # FP8 too
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
     ]  # fmt: skip

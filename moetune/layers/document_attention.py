@@ -138,7 +138,7 @@ def cudnn_attention_applies(q: torch.Tensor) -> bool:
 
     Its two users: DeepSeek-V3's values (128 wide against 192-wide queries) stay unpadded there,
     where padding them for the flash kernels costs 1160 against 796 us forward + backward at
-    Moonlight-16B-A3B's shapes on an H200 (benchmarks/results/session15; elsewhere SDPA would take
+    Moonlight-16B-A3B's shapes on an H200 (benchmarks/results/mla_attention_probe_h200_c574802.jsonl; elsewhere SDPA would take
     the memory-efficient kernel for narrow values, 7,475 us); and GPT-OSS's sink attention takes
     cuDNN's kernels directly for its full-attention layers (``moetune.layers.sink_attention``)."""
     if not flash_kernels_apply(q) or not torch.backends.cuda.cudnn_sdp_enabled():

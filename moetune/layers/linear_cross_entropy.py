@@ -105,6 +105,25 @@ def saved_gradients_scaled(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor |
     return grad_h, grad_w
 
 
+def loss_normalizer(
+    hidden_TH: torch.Tensor, weight_dtype: torch.dtype, targets_T: torch.Tensor, *,
+    num_items_in_batch: int | torch.Tensor | None, ignore_index: int,
+) -> torch.Tensor:
+    """What the summed token losses are divided by: the count of valid targets, or Transformers'
+    gradient-accumulation ``num_items_in_batch``; a scalar in the loss's accumulation dtype on the
+    hidden states' device. Also checks that there is one target per hidden row."""
+    if hidden_TH.shape[0] != targets_T.shape[0]:
+        raise ValueError(f"hidden states have {hidden_TH.shape[0]} rows but targets have {targets_T.shape[0]}")
+    acc_dtype = torch.promote_types(weight_dtype, torch.float32)
+    if num_items_in_batch is None:
+        return (targets_T != ignore_index).sum().to(acc_dtype)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return num_items_in_batch.to(device=hidden_TH.device, dtype=acc_dtype)
+    # A fill on the device: torch.tensor(number, device=cuda) is a blocking copy from the host,
+    # which makes the host wait for the whole forward before it queues the loss.
+    return torch.full((), float(num_items_in_batch), device=hidden_TH.device, dtype=acc_dtype)
+
+
 def linear_cross_entropy(
     hidden_TH: torch.Tensor,
     weight_VH: torch.Tensor,
@@ -117,26 +136,36 @@ def linear_cross_entropy(
     """Cross-entropy of ``hidden_TH @ weight_VH.T`` against ``targets_T`` in vocabulary chunks of rows.
 
     ``num_items_in_batch`` (Transformers' gradient-accumulation normaliser) turns the mean into a
-    sum divided by it.
+    sum divided by it. A head split by vocabulary rows (a DTensor weight, ``vocab_parallel=True``)
+    computes its loss itself: ``lm_head_cross_entropy`` takes either kind of head.
     """
-    if hidden_TH.shape[0] != targets_T.shape[0]:
-        raise ValueError(f"hidden states have {hidden_TH.shape[0]} rows but targets have {targets_T.shape[0]}")
-    acc_dtype = torch.promote_types(weight_VH.dtype, torch.float32)
-    if num_items_in_batch is None:
-        normalizer = (targets_T != ignore_index).sum().to(acc_dtype)
-    elif isinstance(num_items_in_batch, torch.Tensor):
-        normalizer = num_items_in_batch.to(device=hidden_TH.device, dtype=acc_dtype)
-    else:
-        # A fill on the device: torch.tensor(number, device=cuda) is a blocking copy from the host,
-        # which makes the host wait for the whole forward before it queues the loss.
-        normalizer = torch.full((), float(num_items_in_batch), device=hidden_TH.device, dtype=acc_dtype)
-    if isinstance(weight_VH, DTensor):  # split by vocabulary rows over the ranks (vocab_parallel=True)
-        from moetune.distributed.vocab_parallel import vocab_parallel_cross_entropy
-
-        return vocab_parallel_cross_entropy(
-            hidden_TH, weight_VH, targets_T, normalizer, chunk_rows=chunk_rows, ignore_index=ignore_index
+    if isinstance(weight_VH, DTensor):
+        raise TypeError(
+            "linear_cross_entropy takes a whole LM head weight, got a DTensor (a vocabulary-parallel head's shard): "
+            "call lm_head_cross_entropy(head, ...) with the head module, which runs the split loss"
         )
+    normalizer = loss_normalizer(hidden_TH, weight_VH.dtype, targets_T, num_items_in_batch=num_items_in_batch,
+                                 ignore_index=ignore_index)  # fmt: skip
     if chunk_rows is None:
         # About 512 MiB of logits per chunk (a few chunks per 4k-token micro-batch on GPU).
         chunk_rows = max(1, (1 << 29) // (weight_VH.shape[0] * weight_VH.element_size()))
     return _LinearCrossEntropy.apply(hidden_TH, weight_VH, targets_T, normalizer, chunk_rows, ignore_index)
+
+
+def lm_head_cross_entropy(
+    head: torch.nn.Module,
+    hidden_TH: torch.Tensor,
+    targets_T: torch.Tensor,
+    *,
+    num_items_in_batch: int | torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """The fused loss of an LM head module: its own ``fused_cross_entropy`` where parallelism gave it
+    one (``vocab_parallel=True`` mixes it into the head's class, so model code never imports the
+    distributed implementation), else ``linear_cross_entropy`` of its weight."""
+    options = {"num_items_in_batch": num_items_in_batch, "ignore_index": ignore_index, "chunk_rows": chunk_rows}
+    own_loss = getattr(head, "fused_cross_entropy", None)
+    if own_loss is not None:
+        return own_loss(hidden_TH, targets_T, **options)
+    return linear_cross_entropy(hidden_TH, head.weight, targets_T, **options)

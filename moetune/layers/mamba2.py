@@ -4,7 +4,7 @@ as a few batched matmuls, with packed documents kept apart.
 Transformers' torch path (used when the compiled ``mamba-ssm`` / ``causal-conv1d`` packages are
 absent) computes the same scan with per-head einsums over broadcast [chunk, chunk, heads] tensors:
 168 ms and 33 GiB for one Nemotron 3 Nano mixer's forward + backward at 4096 tokens on an H200
-(``benchmarks/mamba2_probe.py``). Here B and C stay per group (the heads of a group share them),
+(``benchmarks/probes/mamba2_probe.py``). Here B and C stay per group (the heads of a group share them),
 every contraction is one ``bmm``, and the state passing between chunks is one matmul with a
 [chunk, chunk] decay matrix: 11.3 ms and 2.1 GiB, 8.2 ms compiled (the default on CUDA, which
 fuses the elementwise passes over the [chunk, chunk] tensors). Computation in fp32, as
@@ -54,7 +54,7 @@ def causal_conv1d(x_BSD: torch.Tensor, weight_DK: torch.Tensor, bias_D: torch.Te
 
     On CUDA this runs compiled, like the scan: eagerly its K shifted copies, products and sums in
     fp32, forward and backward, were ~9 ms of an 8-layer Nemotron 3 Nano step on an H200 (four
-    mixers at 4096 x 6144; benchmarks/results/session16/profile_nemotron_8l_eager_66ef9b5.txt)."""
+    mixers at 4096 x 6144; profiled on 2026-12-01 at 66ef9b5)."""
     conv = _compiled_conv() if x_BSD.is_cuda and _compile_on_cuda() else _causal_conv1d
     return conv(x_BSD, weight_DK, bias_D, seq_idx_BS=seq_idx_BS, activation=activation)
 

@@ -10,7 +10,7 @@ output; ``moetune.kernels.attention_sinks`` has the derivation and the two one-p
 
 Why cuDNN where it runs: at GPT-OSS-20B's full-attention shapes (64 query heads, 8 key / value
 heads of 64, 4096 positions) on an H200 its forward + backward took 1,284 us against 2,031 us for
-the flash kernels (benchmarks/sink_attention_probe.py, benchmarks/results/session16). torch's cuDNN
+the flash kernels (benchmarks/probes/sink_attention_probe.py, benchmarks/results/sink_attention_probe_h200_ae7f8c0.jsonl). torch's cuDNN
 op has no sliding window and no document offsets: those layers keep the flash kernels.
 
 Letters: B = rows, S = tokens, H = query heads, K = key/value heads, D = head dim, T = B x S.

@@ -8,15 +8,18 @@ naming the config field, never a silently different model.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
+
+from moetune.utils.file_errors import unreadable_safetensors
 
 from moetune.lora.apply import apply_lora, find_expert_targets, remove_lora
 from moetune.lora.peft_format import load_from_peft, peft_entries
 from moetune.lora.settings import LoraSettings
+from moetune.utils.json_files import read_json
 
 # Config fields moetune's LoRA has no equivalent for: each must be unset / false / empty.
 _UNSUPPORTED_FIELDS = (
@@ -66,11 +69,15 @@ def _check_target_parameters(model: nn.Module, wanted: list[str]) -> None:
 def load_peft_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
     """Add the adapters stored in `adapter_dir` to `model` (which must have none); returns `model`."""
     folder = Path(adapter_dir)
-    config = json.loads((folder / "adapter_config.json").read_text())
+    config = read_json(folder / "adapter_config.json")
     settings = settings_from_peft_config(config)
     if settings.target_experts:
         _check_target_parameters(model, list(config["target_parameters"]))
-    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    weights = folder / "adapter_model.safetensors"
+    try:
+        tensors = load_file(str(weights))
+    except SafetensorError as err:
+        raise ValueError(unreadable_safetensors(weights, err)) from None
     apply_lora(model, settings)
     entries = {entry.key: entry for entry in peft_entries(model)}
     missing, unexpected = sorted(set(entries) - set(tensors)), sorted(set(tensors) - set(entries))

@@ -9,7 +9,7 @@
 - The backbone's forward keeps the signature of its Transformers parent (code that inspects it, as
   ``generate`` and Transformers' tests do, finds the same arguments).
 - What both classes share (loading through moetune's loader, the experts-implementation API, weight
-  init): ``moetune.models.pretrained``.
+  init, saving): ``moetune.models.pretrained``.
 
 The inner base model's forward (masks, KV cache, RoPE, decoder loop) stays Transformers' own,
 which keeps ``generate`` and every cache type working across Transformers versions, except for
@@ -27,10 +27,11 @@ from transformers.utils import TransformersKwargs
 from transformers.utils.output_capturing import OutputRecorder
 from typing_extensions import Unpack
 
-from moetune.layers import linear_cross_entropy, shift_labels_for_causal_lm
+from moetune.layers import lm_head_cross_entropy, shift_labels_for_causal_lm
 from moetune.layers.document_attention import OFFSETS_KEY
 from moetune.models.pretrained import MoetunePreTrainedMixin
 from moetune.moe import ROUTERS, capture_router_logits, load_balancing_loss
+from moetune.training.graphed_backbone import LABELS_KEY, ScoredLabels, training_graphs
 
 # Transformers 5.24 renamed the cache field of model outputs from `past_key_values` to `cache`.
 _CACHE_FIELD = "cache" if "cache" in MoeCausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -60,6 +61,10 @@ class MoetuneBaseModelMixin(MoetunePreTrainedMixin):
 
     takes_document_offsets: bool = False
     """Whether every layer's attention honours ``cu_seq_lens_q`` (the documents of packed rows)."""
+
+    cuda_graph_training: bool = True
+    """Whether training forwards and backwards on CUDA replay CUDA graphs where that is exact
+    (``moetune.training.graphed_backbone``; ``MoetuneOptions.cuda_graphs``)."""
 
     embedding_name: str = "embed_tokens"
     final_norm_name: str = "norm"
@@ -97,14 +102,24 @@ class MoetuneBaseModelMixin(MoetunePreTrainedMixin):
             return_dict = getattr(self.config, "return_dict", True)
         # The backbone returns a ModelOutput (so the router logits can be added), made a tuple here.
         kwargs["return_dict"] = True
-        if not output_router_logits:
-            outputs = self._backbone_forward(**kwargs)
-        else:
-            with capture_router_logits(self, ROUTERS) as router_logits:
-                outputs = self._backbone_forward(**kwargs)
-            # By key: a field that was None is missing from the output's keys, which to_tuple reads.
-            outputs["router_logits"] = tuple(router_logits)
+        labels = kwargs.pop(LABELS_KEY, None)  # the causal LM's targets, so that padding is checked against them
+        outputs = None
+        graphs = training_graphs(self)
+        if graphs is not None:  # a training step on CUDA: replayed from CUDA graphs where that is exact
+            outputs = graphs.run(kwargs, output_router_logits=output_router_logits, forward=self._eager_outputs,
+                                 labels=labels)  # fmt: skip
+        if outputs is None:
+            outputs = self._eager_outputs(kwargs, output_router_logits)
         return outputs if return_dict else outputs.to_tuple()
+
+    def _eager_outputs(self, kwargs: dict, output_router_logits: bool):
+        if not output_router_logits:
+            return self._backbone_forward(**kwargs)
+        with capture_router_logits(self, ROUTERS) as router_logits:
+            outputs = self._backbone_forward(**kwargs)
+        # By key: a field that was None is missing from the output's keys, which to_tuple reads.
+        outputs["router_logits"] = tuple(router_logits)
+        return outputs
 
     def _backbone_forward(self, **kwargs):
         if not self._is_plain_causal(kwargs):
@@ -113,7 +128,7 @@ class MoetuneBaseModelMixin(MoetunePreTrainedMixin):
                 # config.use_cache is on; its hybrid Nemotron-H cache even fails when layer 0 holds
                 # no attention or Mamba state). A caller's explicit use_cache still wins.
                 kwargs.setdefault("use_cache", False)
-            # moetune's capture (in _moetune_forward) reports the router logits: Transformers' own
+            # moetune's capture (in _eager_outputs) reports the router logits: Transformers' own
             # recording of them (this class's _can_record_outputs) stays off.
             return super().forward(output_router_logits=False, **kwargs)
         input_ids, inputs_embeds = kwargs.pop("input_ids", None), kwargs.pop("inputs_embeds", None)
@@ -220,6 +235,8 @@ class MoetuneCausalLMMixin(MoetunePreTrainedMixin):
         given = {"position_ids": position_ids, _CACHE_FIELD: cache, "inputs_embeds": inputs_embeds, "use_cache": use_cache}
         kwargs.update({name: value for name, value in given.items() if value is not None})
 
+        if labels is not None or shift_labels is not None:
+            kwargs[LABELS_KEY] = ScoredLabels(shift_labels if shift_labels is not None else labels, shift_labels is not None)
         # return_dict=True: the backbone would follow a config's return_dict=False and return a tuple.
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, output_router_logits=output_router_logits,
@@ -239,9 +256,9 @@ class MoetuneCausalLMMixin(MoetunePreTrainedMixin):
                     logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch, shift_labels=shift_labels
                 )
             else:
-                loss = linear_cross_entropy(
+                loss = lm_head_cross_entropy(
+                    self.lm_head,
                     hidden_BSH.reshape(-1, hidden_BSH.shape[-1]),
-                    self.lm_head.weight,
                     targets_BS.reshape(-1).to(hidden_BSH.device),
                     num_items_in_batch=num_items_in_batch,
                 )

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,16 +43,16 @@ class MoetunePreTrainedMixin:
     checkpoint_layout: CheckpointLayout = SWIGLU_EXPERTS
     """How the family's Hub checkpoints name and lay out its tensors (``moetune.checkpoint``)."""
 
+    loader: Callable[..., Any] | None = None
+    """moetune's loader, ``moetune.auto.load_pretrained``. It picks and builds these classes (it sits above
+    them), so ``moetune.auto`` hands it in when imported, which any import of moetune does first."""
+
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         """Transformers' ``from_pretrained`` arguments plus ``MoetuneOptions``, loaded by moetune's loader
-        exactly as ``moetune.AutoModelForCausalLM.from_pretrained`` loads the family (see
-        ``moetune.auto.load_pretrained``); the backbone also reads a causal LM's checkpoint (its ``model.``
-        tensors), as Transformers' ``AutoModel`` does."""
-        # moetune.auto builds these classes, so it is imported when called, not when they are defined.
-        from moetune.auto import load_pretrained
-
-        return load_pretrained(pretrained_model_name_or_path, *model_args, model_class=cls, **kwargs)
+        exactly as ``moetune.AutoModelForCausalLM.from_pretrained`` loads the family; the backbone also
+        reads a causal LM's checkpoint (its ``model.`` tensors), as Transformers' ``AutoModel`` does."""
+        return MoetunePreTrainedMixin.loader(pretrained_model_name_or_path, *model_args, model_class=cls, **kwargs)
 
     def _init_weights(self, module: torch.nn.Module) -> None:
         super()._init_weights(module)

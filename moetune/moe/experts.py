@@ -10,11 +10,12 @@ held by this module.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.distributed.tensor import DTensor
 
 from moetune.kernels import moe_permute, swiglu
@@ -24,7 +25,11 @@ from moetune.kernels.expert_bias import add_expert_bias
 from moetune.kernels.grouped_gemm import grouped_rows_mm, grouped_weight_grad
 from moetune.kernels.permute import permute_rows, permute_rows_backward
 from moetune.kernels import quack_grouped_gemm
+from moetune.fp8.functions import fp8_grouped_linear
 from moetune.utils.autocast import cuda_autocast_dtype
+
+if TYPE_CHECKING:
+    from moetune.fp8.settings import Fp8Settings
 
 _grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -105,6 +110,8 @@ class GroupedExperts(nn.Module):
         self.has_bias = bias
         self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
         self._act = None if activation == "clamped_swiglu" else _activation(activation)
+        self.fp8: Fp8Settings | None = None
+        """FP8 training of both grouped GEMMs (``moetune.fp8.enable_fp8``); None: the weights' dtype."""
         in_width = 2 * intermediate_size if gated else intermediate_size
         self._in_name = "gate_up_proj" if gated else "up_proj"
         for name, out_dim, in_dim in ((self._in_name, in_width, hidden_size), ("down_proj", hidden_size, intermediate_size)):
@@ -146,21 +153,39 @@ class GroupedExperts(nn.Module):
         return self._run(x, tokens_per_expert_E, gather_order=gather_order, gather_top_k=gather_top_k)
 
     def _run(self, x, tokens_per_expert_E, *, gather_order, gather_top_k) -> torch.Tensor:
-        in_proj, down_proj = _local(self.in_proj), _local(self.down_proj)
-        if self.is_transposed:  # views in the [E, out, in] layout run_experts takes
-            in_proj, down_proj = in_proj.transpose(-2, -1), down_proj.transpose(-2, -1)
+        weights, adapters = [], []
+        for name, adapter in zip(self.weight_names, self.lora_adapters()):
+            peft = None if adapter is not None else self._peft_factors(name)
+            weight = getattr(self, name) if peft is None else peft[0]
+            weights.append(_local(weight).transpose(-2, -1) if self.is_transposed else _local(weight))
+            adapter = adapter if peft is None else peft[1]
+            adapters.append(None if adapter is None else ExpertAdapter(_local(adapter.a_ERI), _local(adapter.b_EOR), adapter.scaling))
+        (in_proj, down_proj), (in_adapter, down_adapter) = weights, adapters  # [E, out, in] views
         biases = {}
         if self.has_bias:
             biases = {"in_bias": _local(getattr(self, f"{self._in_name}_bias")), "down_bias": _local(self.down_proj_bias)}
-        in_adapter, down_adapter = (
-            None if adapter is None else ExpertAdapter(_local(adapter.a_ERI), _local(adapter.b_EOR), adapter.scaling)
-            for adapter in self.lora_adapters()
-        )
         return run_experts(
             x, tokens_per_expert_E, in_proj, down_proj, activate=self._activate, backend=self.backend,
             gather_order=gather_order, gather_top_k=gather_top_k, in_adapter=in_adapter, down_adapter=down_adapter,
-            **biases,
+            fp8=self.fp8, **biases,
         )  # fmt: skip
+
+    def _peft_factors(self, name: str) -> tuple[torch.Tensor, ExpertAdapter] | None:
+        """PEFT's LoRA on this weight (``LoraConfig(target_parameters=[...])``: its ``ParamWrapper``
+        parametrizes the weight as ``W + scaling * lhs @ rhs`` while this module's forward runs), as
+        the plain weight and an adapter the experts apply to the activations: the same function,
+        without forming the adapted [E, out, in] weight or its gradient. None for any other
+        parametrization (it is then read as the parametrized weight)."""
+        if not parametrize.is_parametrized(self, name):
+            return None
+        chain = self.parametrizations[name]
+        if len(chain) != 1 or type(chain[0]).__name__ != "_LoraFactorsProxy":
+            return None
+        factors = chain[0]
+        lhs, rhs = factors.lhs, factors.rhs  # the stored layout's delta is lhs @ rhs
+        if self.is_transposed:  # [E, in, out]: the [E, out, in] delta is rhs^T @ lhs^T
+            return chain.original, ExpertAdapter(lhs.transpose(-2, -1), rhs.transpose(-2, -1), float(factors.scaling))
+        return chain.original, ExpertAdapter(rhs, lhs, float(factors.scaling))
 
     def _activate(self, h_NX: torch.Tensor, num_valid: torch.Tensor | None = None) -> torch.Tensor:
         if self.activation == "clamped_swiglu":
@@ -172,6 +197,7 @@ class GroupedExperts(nn.Module):
     def extra_repr(self) -> str:
         layout = ", transposed" if self.is_transposed else ""
         layout += ", bias" if self.has_bias else ""
+        layout += f", fp8={self.fp8.recipe}" if self.fp8 is not None else ""
         return (
             f"experts={self.num_experts}, hidden={self.hidden_size}, width={self.intermediate_size}, "
             f"activation={self.activation}, gated={self.gated}{layout}, backend={self.backend}"
@@ -203,10 +229,12 @@ def run_experts(
     gather_top_k: int = 1,
     in_adapter: ExpertAdapter | None = None,
     down_adapter: ExpertAdapter | None = None,
+    fp8: Fp8Settings | None = None,
 ) -> torch.Tensor:
     """down_e(activate(in_e(rows))) for rows sorted by expert e; weights [E, out, in] (nn.Linear layout),
     optional biases [E, out], optional LoRA adapters on either weight (``ExpertAdapter``, computed in
-    the weights' dtype).
+    the weights' dtype). ``fp8``: both GEMMs in FP8 (``moetune.fp8``; the adapters, biases and the
+    activation stay in the weights' dtype), on any device, whatever ``backend`` says.
 
     The rows are ``x`` [N, H] itself, or with ``gather_order`` (N = T * K entries, a permutation of the
     routed slots) ``x[gather_order // gather_top_k]`` for ``x`` [T, H]: the experts gather their input
@@ -229,11 +257,13 @@ def run_experts(
         in_bias, down_bias = (None if b is None else b.to(compute_dtype) for b in (in_bias, down_bias))
     # fp32 adapters (PEFT's default) under bf16 weights run in bf16: casting the small adapters, not the rows.
     in_adapter, down_adapter = (None if a is None else _cast_adapter(a, in_proj.dtype) for a in (in_adapter, down_adapter))
-    if backend in ("grouped_mm", "triton", "quack") or (backend == "auto" and grouped_mm_supported(x)):
+    if fp8 is not None or backend in ("grouped_mm", "triton", "quack") or (backend == "auto" and grouped_mm_supported(x)):
         # No host sync: the group boundaries stay on the device.
         offsets_E = torch.cumsum(tokens_per_expert_E, dim=0, dtype=torch.int32)
         x, w_EHX = x.to(in_proj.dtype), in_proj.transpose(-2, -1)
-        if backend in ("triton", "quack") or gather_order is not None:
+        if fp8 is not None:
+            h_NX = fp8_grouped_linear(x, in_proj, offsets_E, settings=fp8, gather_order=gather_order, top_k=gather_top_k)
+        elif backend in ("triton", "quack") or gather_order is not None:
             rows_backend = backend if backend in ("triton", "quack") else "grouped_mm"
             h_NX = GatheredGroupedMM.apply(x, w_EHX, gather_order, offsets_E, gather_top_k, "auto", rows_backend)
         else:
@@ -246,7 +276,9 @@ def run_experts(
             expert_N = torch.searchsorted(offsets_E, rows, right=True)  # E for padding rows
         h_NX = h_NX if in_bias is None else add_expert_bias(h_NX, in_bias, expert_N, offsets_E)
         a_NI = activate(h_NX, offsets_E[-1:]).to(h_NX.dtype)  # autocast runs some (relu2's pow) in fp32
-        if backend in ("triton", "quack"):
+        if fp8 is not None:
+            y_NH = fp8_grouped_linear(a_NI, down_proj, offsets_E, settings=fp8)
+        elif backend in ("triton", "quack"):
             y_NH = GatheredGroupedMM.apply(a_NI, down_proj.transpose(-2, -1), None, offsets_E, 1, "auto", backend)
         else:
             y_NH = _grouped_mm(a_NI, down_proj.transpose(-2, -1), offs=offsets_E)
@@ -336,6 +368,9 @@ def _grouped_low_rank(x, adapter: ExpertAdapter, offsets_E, gather_order, gather
     Two thin grouped GEMMs (rank R columns), each ~R/O of the base GEMM's FLOPs. torch's grouped GEMM
     needs 16-byte aligned rows, so the rank is zero-padded to a multiple of 8 (exact)."""
     a_ERI, b_EOR = adapter.a_ERI, adapter.b_EOR * adapter.scaling
+    if not grouped_mm_supported(x):  # the FP8 experts off CUDA bf16 (their reference): a loop over experts
+        rows = x if gather_order is None else moe_permute(x, gather_order, gather_top_k, num_valid=offsets_E[-1:])
+        return _low_rank_loop(rows, a_ERI, b_EOR, offsets_E)
     rank = a_ERI.shape[1]
     if rank % 8:
         pad = 8 - rank % 8
@@ -344,6 +379,15 @@ def _grouped_low_rank(x, adapter: ExpertAdapter, offsets_E, gather_order, gather
     # them again for dA): one more memory-bound gather, no second [N, H] copy of the rows kept alive.
     u_NR = GatheredGroupedMM.apply(x, a_ERI.transpose(-2, -1), gather_order, offsets_E, gather_top_k)
     return _grouped_mm(u_NR, b_EOR.transpose(-2, -1), offs=offsets_E)
+
+
+def _low_rank_loop(rows_N: torch.Tensor, a_ERI: torch.Tensor, b_EOR: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """(rows @ A_e^T) @ B_e^T per expert group, one host sync for the boundaries; padding rows zero."""
+    counts = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
+    num_valid = sum(counts)
+    parts = [F.linear(F.linear(rows, a_ERI[e]), b_EOR[e]) for e, rows in enumerate(torch.split(rows_N[:num_valid], counts))]
+    padding = rows_N.new_zeros(rows_N.shape[0] - num_valid, b_EOR.shape[1])
+    return torch.cat([*parts, padding])
 
 
 def _check_gather(x_TH: torch.Tensor, gather_order: torch.Tensor, top_k: int) -> None:

@@ -24,7 +24,7 @@ import torch
 from moetune.kernels._triton_utils import HAS_TRITON, device_of, tl, triton
 
 # Small blocks, many programs: 4.25 TB/s on an H200 (its copy ceiling) against 4.11 for 4096 / 8
-# warps (benchmarks/adamw_probe.py).
+# warps (benchmarks/probes/adamw_probe.py).
 _BLOCK = 1024
 _NUM_WARPS = 4
 

@@ -6,28 +6,36 @@ A checkpoint is a directory ``<output_dir>/checkpoints/step_<N>/`` holding
 - ``rng_rank<R>.pt``: every random generator of rank R,
 - ``train_state.json``: step, data position, data settings, model fingerprint; written last.
 It is written to ``.tmp_step_<N>`` and renamed, so a crash never leaves a half checkpoint
-under a real name. The learning rate is a function of the step and needs no state. One
-``output_dir`` holds one run's history (``check_output_dir``).
+under a real name; a write that fails (a full disk) removes its temporary folder and names the file,
+and the next run in the folder removes what a killed one left. Reading unpickles nothing but DCP's
+own metadata records and plain values (``moetune.distributed.dcp_files``). The learning rate is a
+function of the step and needs no state. One ``output_dir`` holds one run's history
+(``check_output_dir``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import pickle
 import random
 import shutil
 import warnings
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from moetune.distributed.dcp_files import CheckpointFileError, check_dcp_folder, load_dcp, save_dcp
 from moetune.lora import LoraSettings
-from moetune.recipe.distributed_setup import Runtime, barrier
+from moetune.recipe.distributed_setup import Runtime, all_reduce_sum, barrier
+from moetune.utils.file_errors import naming_file, os_error_in
+from moetune.utils.json_files import read_json
 
 STATE_FILE = "train_state.json"
 
@@ -53,25 +61,43 @@ def checkpoint_root(output_dir: str) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, a lost filesystem); the partial one is removed."""
+
+
 def save_checkpoint(*, output_dir: str, state: TrainState, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     runtime: Runtime, keep_last: int, rank_tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the checkpoint of ``state.step`` (collective: every rank calls it). ``rank_tensors``:
-    this rank's own tensors to keep beside its RNG states (the recipe's expert-load counts)."""
+    this rank's own tensors to keep beside its RNG states (the recipe's expert-load counts).
+
+    A write that fails on any rank (no space left, an I/O error) removes the temporary folder and
+    raises ``CheckpointWriteError`` on every rank, naming the file and the last good checkpoint,
+    which is kept (older ones are pruned only after a checkpoint is complete)."""
     root = checkpoint_root(output_dir)
     final = root / f"step_{state.step:08d}"
     tmp = root / f".tmp_step_{state.step:08d}"
-    if runtime.is_main:
+
+    def prepare() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    barrier(runtime)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _single_process_quiet(runtime):
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
-    torch.save({**_rng_state(), "tensors": {k: v.cpu() for k, v in (rank_tensors or {}).items()}},
-               tmp / f"rng_rank{runtime.rank}.pt")
-    barrier(runtime)
+
+    def write_shards() -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with _single_process_quiet(runtime):
+            save_dcp({"model": model_sd, "optim": optim_sd}, tmp / "state")
+        # Through a Python file: its OSError (ENOSPC) survives, where torch's own file writer loses it.
+        rng_path = tmp / f"rng_rank{runtime.rank}.pt"
+        with naming_file(rng_path), rng_path.open("wb") as file:
+            torch.save({**_rng_state(), "tensors": {k: v.cpu() for k, v in (rank_tensors or {}).items()}}, file)
+
+    def finish() -> None:
+        with naming_file(tmp / STATE_FILE):
+            (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1))
+
+    _written_on_every_rank(prepare, runtime, tmp, output_dir, only_main=True)
+    _written_on_every_rank(write_shards, runtime, tmp, output_dir)
+    _written_on_every_rank(finish, runtime, tmp, output_dir, only_main=True)
     if runtime.is_main:
-        (tmp / STATE_FILE).write_text(json.dumps(state.__dict__, indent=1))
         if final.exists():  # a re-run of the same step (e.g. Ctrl-C right after a periodic save)
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -79,6 +105,51 @@ def save_checkpoint(*, output_dir: str, state: TrainState, model: torch.nn.Modul
             shutil.rmtree(old, ignore_errors=True)
     barrier(runtime)
     return final
+
+
+def _written_on_every_rank(write: Callable[[], None], runtime: Runtime, tmp: Path, output_dir: str, *,
+                           only_main: bool = False) -> None:
+    """Run ``write`` (on rank 0 only with ``only_main``); when it fails on any rank, remove ``tmp``
+    and raise ``CheckpointWriteError`` on every rank (the others would wait at the next barrier)."""
+    error: BaseException | None = None
+    if runtime.is_main or not only_main:
+        try:
+            write()
+        except (OSError, RuntimeError) as err:
+            error = err
+    failed = all_reduce_sum([float(error is not None)], runtime)[0]
+    if not failed:
+        return
+    if runtime.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier(runtime)
+    last = list_checkpoints(output_dir)
+    kept = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
+    what = _write_failure(error, tmp) if error is not None else f"another rank failed to write its part of {tmp}"
+    raise CheckpointWriteError(f"checkpoint not saved: {what}. The partial {tmp.name} was removed; {kept}") from error
+
+
+def _write_failure(error: BaseException, tmp: Path) -> str:
+    """What went wrong, in words: "no space left on device while writing <file>" for a full disk."""
+    cause = os_error_in(error)
+    where = getattr(cause, "filename", None) or tmp
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        return f"no space left on device while writing {where}"
+    if isinstance(cause, OSError) and cause.errno == errno.EDQUOT:
+        return f"disk quota exceeded while writing {where}"
+    if isinstance(cause, OSError):
+        return f"{cause.strerror or cause} while writing {where}"
+    return f"{type(error).__name__} while writing {tmp}: {error}"
+
+
+def remove_partial_checkpoints(output_dir: str) -> list[Path]:
+    """Remove the temporary folders of checkpoints that a killed run did not finish (kill -9, a lost
+    node): never complete, never resumed. Called by the run that holds the folder, before it writes."""
+    root = checkpoint_root(output_dir)
+    partial = sorted(root.glob(".tmp_step_*")) if root.is_dir() else []
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return partial
 
 
 def list_checkpoints(output_dir: str) -> list[Path]:
@@ -138,7 +209,27 @@ def check_output_dir(output_dir: str, *, resume: Path | None) -> None:
 
 def read_train_state(path: Path) -> TrainState:
     """The step, data position and fingerprint of the checkpoint at ``path`` (no tensors read)."""
-    return TrainState(**json.loads((path / STATE_FILE).read_text()))
+    state_file = path / STATE_FILE
+    data = read_json(state_file)
+    names = {f.name for f in fields(TrainState)}
+    required = {f.name for f in fields(TrainState) if f.default is MISSING and f.default_factory is MISSING}
+    if not isinstance(data, dict) or not required <= data.keys() or not data.keys() <= names:
+        got = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"{state_file} is not a checkpoint's train state (expected the keys {sorted(names)}, got {got})")
+    return TrainState(**data)
+
+
+def check_files(path: Path, state: TrainState) -> None:
+    """That the checkpoint at ``path`` holds every file it needs, none truncated, and that its DCP
+    metadata is made of DCP's own records only (read without running code): refused here, before
+    any data is read or model built, rather than halfway through loading it."""
+    try:
+        check_dcp_folder(path / "state")
+    except CheckpointFileError as err:
+        raise ValueError(f"checkpoint.resume: {err}") from None
+    missing = [name for name in (f"rng_rank{rank}.pt" for rank in range(state.world_size)) if not (path / name).is_file()]
+    if missing:
+        raise ValueError(f"checkpoint.resume: {path} lacks {', '.join(missing)}; it is incomplete")
 
 
 def lora_fingerprint(lora: LoraSettings | None) -> dict[str, Any] | None:
@@ -200,11 +291,19 @@ def load_checkpoint(path: Path, *, model: torch.nn.Module, optimizer: torch.opti
     check_compatible(path, state, fingerprint=fingerprint, world_size=runtime.world_size)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     both = {"model": model_sd, "optim": optim_sd}
-    with _single_process_quiet(runtime):
-        dcp.load(both, checkpoint_id=str(path / "state"))
+    try:
+        with _single_process_quiet(runtime):
+            load_dcp(both, path / "state")  # DCP's metadata and values without unpickling code
+    except CheckpointFileError as err:
+        raise ValueError(f"checkpoint.resume: {err}") from None
     set_state_dict(model, optimizer, model_state_dict=both["model"], optim_state_dict=both["optim"])
     # weights_only: tensors, tuples and ints (the RNG states) load; nothing else is unpickled.
-    rank_state = torch.load(path / f"rng_rank{runtime.rank}.pt", weights_only=True)
+    rng_file = path / f"rng_rank{runtime.rank}.pt"
+    try:
+        rank_state = torch.load(rng_file, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as err:
+        raise ValueError(f"{rng_file} cannot be read ({type(err).__name__}: {str(err).splitlines()[0]}); it is damaged, "
+                         "truncated or not a moetune checkpoint's RNG state") from None
     _set_rng_state(rank_state)
     return state, rank_state.get("tensors", {})
 

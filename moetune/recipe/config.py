@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moetune.lora import LoraSettings
+from moetune.fp8.settings import FP8_BACKENDS, FP8_RECIPES
 from moetune.models.options import check_experts_backend
 from moetune.options import DENSE_PARALLEL, EP_DISPATCH, REPLICATE_TRANSPORTS
 
@@ -54,6 +55,16 @@ class ModelConfig:
     GEMM kernels, "auto" (torch's grouped GEMM on CUDA bf16), "grouped_mm", "triton", "quack"
     (quack's CuTe-DSL grouped GEMMs: ~3% faster steps on an H200; needs the quack-kernels package
     and a CUDA sm90+ GPU) or "loop" (moetune.options)."""
+    fp8: str = ""
+    """FP8 (e4m3) training of the decoder's linear layers and experts (moetune's architectures):
+    "rowwise" (a scale per token / per channel) or "blockwise" (DeepSeek-V3's 1 x 128 activation and
+    128 x 128 weight blocks); empty: none. bf16 weights, AdamW and checkpoints as without it; the
+    router, norms, LM head and loss keep their precision. Needs a GPU with FP8 tensor cores (sm89+)
+    unless fp8_backend is "reference" (docs/fp8.md)."""
+    fp8_backend: str = "auto"
+    """With fp8: "auto" (torch's cuBLAS / CUTLASS FP8 GEMMs where torch has them, moetune's Triton
+    GEMMs elsewhere), "triton" (moetune's Triton GEMMs everywhere) or "reference" (plain PyTorch on
+    any device, CPU included: the numerics, slowly)."""
 
 
 @dataclass
@@ -149,6 +160,10 @@ class TrainingConfig:
     "bf16_autocast" trains as the eager step on an H200 (GPU test)."""
     val_every: int = 250
     """Validation loss every this many steps (0: only at the end)."""
+    plan_check: bool = True
+    """Print the job's plan (``moetune plan``: memory per GPU by part, step time) before anything is
+    loaded, and on GPUs refuse a job whose planned memory exceeds the GPU's (false: print only).
+    Not on CPU, where there is no GPU memory to check (moetune/recipe/planning.py)."""
     output_dir: str = "outputs/default"
     """Where checkpoints, metrics, plots and the final Hugging Face export go. A new run refuses one
     that holds checkpoints (resume them, or pick another folder); an earlier run's metrics.jsonl is
@@ -294,6 +309,11 @@ def validate(config: JobConfig) -> JobConfig:
         check_experts_backend(config.model.experts_backend)
     except (ValueError, RuntimeError) as err:
         check(False, "model.experts_backend", str(err))
+    check(config.model.fp8 in ("", *FP8_RECIPES), "model.fp8", f"{config.model.fp8!r} is not one of {('', *FP8_RECIPES)}")
+    check(config.model.fp8_backend in FP8_BACKENDS, "model.fp8_backend",
+          f"{config.model.fp8_backend!r} is not one of {FP8_BACKENDS}")
+    check(config.model.fp8_backend == "auto" or bool(config.model.fp8), "model.fp8_backend",
+          "picks the FP8 kernels: set model.fp8 ('rowwise' or 'blockwise') too")
     check(config.distributed.ep_size >= 1, "distributed.ep_size", f"must be >= 1, got {config.distributed.ep_size}")
     check(config.distributed.ep_size == 1 or config.distributed.parallelism == "fsdp", "distributed.ep_size",
           "expert parallelism shards the rest with FSDP2: set distributed.parallelism to 'fsdp'")

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from moetune.utils.json_files import read_json
+
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -27,8 +29,14 @@ class ReadStats:
     """Malformed rows skipped (unparseable JSON, missing or ill-typed columns)."""
     truncated: int = 0
     """Samples longer than data.max_length, cut to it."""
+    answers_cut: int = 0
+    """Truncated samples whose every answer token lay beyond data.max_length, dropped."""
     empty: int = 0
-    """Samples with no answer token left (after truncation), dropped."""
+    """Samples whose answers have no token at all (empty answers), dropped."""
+    first_cut_answer: int | None = None
+    """Among ``answers_cut``: the earliest position of a first answer token (0-based)."""
+    longest: int = 0
+    """Tokens of the longest sample, before truncation."""
     examples: list[str] = field(default_factory=list)
     """The first few problems found, for the error message or the log."""
 
@@ -38,6 +46,32 @@ class ReadStats:
         self.bad_rows += 1
         if len(self.examples) < 3:
             self.examples.append(message)
+
+    def note_answer_cut(self, first_answer: int) -> None:
+        self.answers_cut += 1
+        self.first_cut_answer = min(first_answer, self.first_cut_answer if self.first_cut_answer is not None else first_answer)
+
+    def dropped(self, *, max_length: int) -> str:
+        """What was dropped and why, in words (the start-of-run message; the error when nothing is left)."""
+        parts = [f"{self.bad_rows} malformed rows skipped",
+                 f"{self.truncated} samples truncated to data.max_length {max_length} tokens"]
+        if self.answers_cut:
+            parts.append(f"{self.answers_cut} of them dropped because truncation cut away every answer token "
+                         f"(their answers start at token {self.first_cut_answer + 1} or later)")
+        parts.append(f"{self.empty} samples with an empty answer dropped")
+        return "; ".join(parts)
+
+    def advice(self, *, max_length: int) -> str:
+        """How to keep the samples that were dropped (for the error when none is left)."""
+        hints = []
+        if self.answers_cut:
+            hints.append(f"raise data.max_length to at least {self.first_cut_answer + 1} (to keep an answer token) or to "
+                         f"{self.longest} (the longest sample, whole)")
+        if self.bad_rows:
+            hints.append("fix the malformed rows (first problems: " + " | ".join(self.examples) + ")")
+        if self.empty:
+            hints.append("give the samples non-empty answers")
+        return "; ".join(hints) or "check data.train_path"
 
 
 def read_rows(path: str, *, field_name: str, split: str, on_bad_row: str, stats: ReadStats) -> list[dict[str, Any]]:
@@ -51,9 +85,13 @@ def read_rows(path: str, *, field_name: str, split: str, on_bad_row: str, stats:
         elif suffix == ".json":
             rows = _read_json(p, field_name=field_name, on_bad_row=on_bad_row, stats=stats)
         elif suffix == ".parquet":
+            import pyarrow
             import pyarrow.parquet as pq
 
-            rows = pq.read_table(p).to_pylist()
+            try:
+                rows = pq.read_table(p).to_pylist()
+            except pyarrow.ArrowException as err:
+                raise ValueError(f"{field_name}: {path} is not a readable Parquet file ({err})") from None
         else:
             raise ValueError(f"{field_name}: {path} has an unsupported extension {suffix!r} "
                              "(use .jsonl, .json, .parquet, or a datasets directory)")
@@ -69,8 +107,14 @@ def read_rows(path: str, *, field_name: str, split: str, on_bad_row: str, stats:
 
 def _read_jsonl(path: Path, *, on_bad_row: str, stats: ReadStats) -> list[dict[str, Any]]:
     rows = []
-    with path.open() as f:
-        for line_no, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # decoded line by line: a byte that is not UTF-8 spoils its row only
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                stats.note_bad(f"{path}:{line_no}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column {err.start + 1})",
+                               on_bad_row=on_bad_row)
+                continue
             if not line.strip():
                 continue
             try:
@@ -87,9 +131,9 @@ def _read_jsonl(path: Path, *, on_bad_row: str, stats: ReadStats) -> list[dict[s
 
 def _read_json(path: Path, *, field_name: str, on_bad_row: str, stats: ReadStats) -> list[dict[str, Any]]:
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{field_name}: {path} is not valid JSON ({err})") from err
+        data = read_json(path)
+    except ValueError as err:
+        raise ValueError(f"{field_name}: {err}") from None
     if not isinstance(data, list):
         raise ValueError(f"{field_name}: {path} must hold a JSON list of rows")
     rows = []

@@ -32,7 +32,8 @@ def prepare_data(config: DataConfig, tokenizer: PreTrainedTokenizerBase, *, seed
                             max_length=config.max_length, on_bad_row=config.on_bad_row, stats=stats)
     if not samples:
         raise ValueError(f"data.train_path: no usable samples in {config.train_path} "
-                         f"({stats.bad_rows} malformed rows; first problems: {stats.examples})")
+                         f"({stats.dropped(max_length=config.max_length)}). To keep them: "
+                         f"{stats.advice(max_length=config.max_length)}")
     train, val = split_validation(samples, fraction=config.val_fraction, seed=seed)
     eval_set = None
     if config.test_path:

@@ -89,12 +89,17 @@ def tokenize_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase
     for ids, offsets, spans in zip(encoded["input_ids"], encoded["offset_mapping"], all_spans):
         labels = [tok if any(a <= start < b for a, b in spans) else IGNORE_INDEX
                   for tok, (start, _) in zip(ids, offsets)]
+        stats.longest = max(stats.longest, len(ids))
+        first_answer = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), None)
+        if first_answer is None:  # an empty answer: nothing to learn from, whatever the length
+            stats.empty += 1
+            continue
         if len(ids) > max_length:
             stats.truncated += 1
             ids, labels = ids[:max_length], labels[:max_length]
-        if all(label == IGNORE_INDEX for label in labels):
-            stats.empty += 1
-            continue
+            if first_answer >= max_length:
+                stats.note_answer_cut(first_answer)
+                continue
         samples.append(Sample(input_ids=ids, labels=labels))
     return samples
 

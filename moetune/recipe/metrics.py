@@ -85,7 +85,7 @@ class ExpertLoad:
         chosen_per_layer = self._chosen or [logits_TE.topk(self.top_k, dim=-1).indices for logits_TE in router_logits or ()]
         self._chosen = []
         # Once, without blocking: a blocking copy of the host's mask per layer made the eager recipe's
-        # host wait for the whole forward before queueing the backward (profile, seventeenth session).
+        # host wait for the whole forward before queueing the backward (profiled on an H200, 2026-12-01).
         real_T = real_T.to(self.counts_LE.device, non_blocking=True)
         for layer, experts_TK in enumerate(chosen_per_layer):
             # Weighted adds, not a masked selection + bincount: no data-dependent shape, so no host

@@ -8,8 +8,11 @@ import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from moetune import AutoModelForCausalLM
+from moetune.checkpoint import list_checkpoint_tensors
 from moetune.layers.activation_checkpointing import enable_activation_checkpointing
+from moetune.models.registry import not_causal_reason
 from moetune.recipe.config import ModelConfig
+from moetune.utils.json_files import read_json
 
 
 def load_tokenizer(config: ModelConfig) -> PreTrainedTokenizerBase:
@@ -31,6 +34,13 @@ def load_model_config(config: ModelConfig) -> PretrainedConfig:
     path = Path(config.pretrained_path or config.config_path)
     if not path.exists():
         raise ValueError(f"{field}: {path} does not exist")
+    config_file = path if path.is_file() else path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{field}: {path} holds no config.json")
+    try:  # Transformers' own error names the file but not where in it
+        read_json(config_file)
+    except ValueError as err:
+        raise ValueError(f"{field}: {err}") from None
     model_config = AutoConfig.from_pretrained(path.parent if path.is_file() else path)
     if config.router_aux_loss_coef is not None:
         if not hasattr(model_config, "router_aux_loss_coef"):
@@ -39,13 +49,33 @@ def load_model_config(config: ModelConfig) -> PretrainedConfig:
     return model_config
 
 
+def check_weight_files(config: ModelConfig) -> None:
+    """``model.pretrained_path``'s safetensors files, read from their headers (a damaged or truncated
+    file is named, with its shard, before any data is read), for every architecture: moetune's
+    loader reads them so, Transformers' (for the others) would name no file. A folder of other
+    formats is left to Transformers."""
+    folder = Path(config.pretrained_path) if config.pretrained_path else None
+    if folder is None or not folder.is_dir() or not any(folder.glob("*.safetensors")):
+        return
+    try:
+        list_checkpoint_tensors(folder)
+    except (ValueError, FileNotFoundError) as err:
+        raise ValueError(f"model.pretrained_path: {err}") from None
+
+
 _RECURRENT_MIXERS = ("Mamba", "GatedDeltaNet")
 """Class-name marks of layers that carry a state along the sequence (Mamba-2 / SSM, linear attention)."""
 
 
-def check_model_for_job(model_config: PretrainedConfig, *, packing: bool, cuda_graph: bool) -> bool:
+def check_model_for_job(model_config: PretrainedConfig, *, packing: bool, cuda_graph: bool,
+                        tokenizer_size: int | None = None) -> bool:
     """What the job asks of the model, checked on the meta device before anything is loaded; returns
     whether its attention takes packed documents' offsets (``takes_document_offsets``).
+
+    - A causal LM: an encoder's "causal LM" class (BERT's with ``is_decoder`` false) attends to the
+      tokens it is trained to predict (``moetune.models.registry.not_causal_reason``).
+    - Every token id of the tokenizer (``tokenizer_size`` of them) has a row in the input embedding;
+      an id beyond it would fail with an IndexError mid-run (in evaluation, or on a rare token).
 
     - Packed rows need every layer to keep documents apart. Attention does (offsets or a mask);
       Transformers' recurrent layers (Mamba-2 and the like) carry their state and convolution across
@@ -56,7 +86,18 @@ def check_model_for_job(model_config: PretrainedConfig, *, packing: bool, cuda_g
       positions on the host): it needs an attention that takes the offsets."""
     from moetune.flops import meta_model
 
+    reason = not_causal_reason(model_config)
+    if reason is not None:
+        raise ValueError(f"model: not a causal LM: {reason}")
     model = meta_model(model_config)
+    if tokenizer_size is not None:
+        rows = model.get_input_embeddings().weight.shape[0]
+        if tokenizer_size > rows:
+            raise ValueError(
+                f"model.tokenizer_path: the tokenizer has {tokenizer_size} tokens but the model's input embedding has "
+                f"{rows} rows (vocab_size {getattr(model_config, 'vocab_size', '?')}): token ids {rows} and above have no "
+                "embedding. Use the model's own tokenizer, or a model config with vocab_size >= "
+                f"{tokenizer_size}")
     takes_offsets = bool(getattr(getattr(model, "model", None), "takes_document_offsets", False))
     if packing and not getattr(model, "keeps_packed_documents_apart", False):
         mixers = sorted({type(m).__name__ for m in model.modules() if any(mark in type(m).__name__ for mark in _RECURRENT_MIXERS)})
@@ -80,11 +121,14 @@ def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: t
     the caller), in train mode. ``sharding`` (moetune's ``ep_size`` / ``ep_overlap_chunks`` /
     ``lora`` / ``reduce_dtype`` options) returns a model already sharded over the ranks, each reading
     only its own weights."""
-    kwargs = {"dtype": dtype}
+    # The recipe's own step decides about CUDA graphs (training.cuda_graph: the whole step, optimizer included).
+    kwargs = {"dtype": dtype, "cuda_graphs": False}
     if config.attn_implementation:
         kwargs["attn_implementation"] = config.attn_implementation
     if config.experts_backend != "auto":  # MoE models only: from_pretrained refuses it for others by name
         kwargs["experts_backend"] = config.experts_backend
+    if config.fp8:  # moetune's architectures only: refused for others, and where no FP8 kernel runs
+        kwargs.update(fp8=config.fp8, fp8_backend=config.fp8_backend)
     if config.pretrained_path:
         placement = sharding if sharding else {"device_map": str(device)}
         model = AutoModelForCausalLM.from_pretrained(config.pretrained_path, config=model_config,

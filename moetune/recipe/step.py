@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from moetune.recipe import metrics
+from moetune.recipe.config import JobConfig
 from moetune.recipe.distributed_setup import Runtime, all_reduce_sum, clip_grad_norm
 from moetune.recipe.packing import Batch
 
@@ -115,7 +116,7 @@ class GraphedTrainStep:
     Measuring the norm inside the update's graph instead (``CUDAGraphTrainStep(max_grad_norm=)``,
     the AdamW kernel skipping a non-finite update) was 7% slower on an H200 (41,651 against 44,847
     tokens/s, Qwen3 shapes, 8 layers): the host then reads the norm after the update, and its work
-    for the next step no longer overlaps the update's ~18 ms (benchmarks/results/session15)."""
+    for the next step no longer overlaps the update's ~18 ms (2026-12-01, commit b893fe8)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, runtime: Runtime,
                  grad_clip: float, aux_coef: float, autocast: Autocast, expert_load: metrics.ExpertLoad | None,
@@ -166,3 +167,16 @@ class GraphedTrainStep:
         loss_value = _checked(loss_sum, grad_norm, self.runtime)  # before the update, as train_step
         self._graphs.optimizer_step()
         return StepResult(loss=loss_value, grad_norm=grad_norm, num_tokens=num_tokens)
+
+
+def uses_cuda_graph(config: JobConfig, runtime: Runtime, *, takes_offsets: bool) -> bool:
+    """Whether the steps replay CUDA graphs: ``training.cuda_graph`` "true" (checked elsewhere), or
+    "auto" for LoRA in one CUDA process with packed rows into a model that takes the offsets (the
+    eager LoRA step waits for the host: 42,725 against 79,661 tokens/s graphed on one H200, Qwen3
+    shapes, 8 layers;
+    benchmarks/results/h200_20261201_fc9e582/recipe_lora_qwen3-30b-a3b-8l_1gpu_20261201T065411Z.json)."""
+    setting = config.training.cuda_graph
+    if setting != "auto":
+        return setting == "true"
+    return (runtime.device.type == "cuda" and runtime.world_size == 1 and config.data.packing and takes_offsets
+            and config.lora.enabled)

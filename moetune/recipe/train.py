@@ -22,12 +22,14 @@ from moetune.recipe.distributed_setup import (
     sharding_options, shutdown, wrap_model,
 )
 from moetune.recipe.interrupts import StopRequest
+from moetune.recipe.output_lock import OutputLock
 from moetune.recipe.model_loading import (
-    build_model, check_model_for_job, load_model_config, load_tokenizer, model_fingerprint,
+    build_model, check_model_for_job, check_weight_files, load_model_config, load_tokenizer, model_fingerprint,
 )
 from moetune.recipe.packing import Batch, BatchStream, check_resumable, fixed_batches, max_documents_per_row
+from moetune.recipe.planning import check_job_fits, job_shape
 from moetune.recipe.profiling import StepProfiler
-from moetune.recipe.step import GraphedTrainStep, NonFiniteLossError, StepResult, train_step
+from moetune.recipe.step import GraphedTrainStep, NonFiniteLossError, StepResult, train_step, uses_cuda_graph
 from moetune.training import set_learning_rate
 
 
@@ -71,10 +73,14 @@ def finetune(config: JobConfig) -> FinetuneResult:
     runtime = init_runtime(config.training, config.distributed)
     threads_before = torch.get_num_threads()  # restored at the end: a library call must not leak it
     clean = False
+    # Rank 0 holds the output folder for the whole run (the other ranks write into it under its lock).
+    lock = OutputLock(Path(config.training.output_dir)) if runtime.is_main else None
     try:
         if config.training.num_threads:
             torch.set_num_threads(config.training.num_threads)
         seed_everything(config.training.seed)
+        # First of all (a refusal costs nothing): the folder is usable and no other run holds it.
+        rank0_decides(lambda: _hold_output_dir(lock, config), runtime)
         check_shared_folder(Path(config.training.output_dir), runtime, field="training.output_dir")
         # Before anything is built (a refusal costs nothing); read by rank 0 for all (rank0_decides).
         resume = rank0_decides(lambda: checkpoint_to_resume(config, runtime), runtime)
@@ -93,8 +99,21 @@ def finetune(config: JobConfig) -> FinetuneResult:
         clean = True
         return result
     finally:
+        if lock is not None:
+            lock.release()
         torch.set_num_threads(threads_before)
         shutdown(runtime, clean=clean)
+
+
+def _hold_output_dir(lock: OutputLock, config: JobConfig) -> None:
+    """Take ``training.output_dir`` for this run (rank 0); remove what a killed run left half-written."""
+    lock.acquire()
+    gone = lock.taken_over
+    if gone is not None:
+        print(f"{config.training.output_dir}: the run that held it (pid {gone.get('pid')} on host {gone.get('host')}, "
+              f"since {gone.get('since')}) is gone; this run holds it now", flush=True)
+    for partial in checkpointing.remove_partial_checkpoints(config.training.output_dir):
+        print(f"removed {partial}, a checkpoint that an earlier run did not finish writing", flush=True)
 
 
 @dataclass
@@ -131,9 +150,13 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
     tokenizer = load_tokenizer(config.model)
     model_config = load_model_config(config.model)
     takes_offsets = check_model_for_job(model_config, packing=config.data.packing,
-                                        cuda_graph=config.training.cuda_graph == "true")
+                                        cuda_graph=config.training.cuda_graph == "true", tokenizer_size=len(tokenizer))
+    check_weight_files(config.model)
     cuda_graph = uses_cuda_graph(config, runtime, takes_offsets=takes_offsets)
     _check_graph_sharding(config, runtime)
+    # The plan, before any data or weight is read: a job that cannot fit its GPUs stops here.
+    check_job_fits(config, model_config, job_shape(runtime, cuda_graph=cuda_graph),
+                   announce=lambda text: print(text, flush=True) if runtime.is_main else None)
     data = prepare_data(config.data, tokenizer, seed=config.training.seed)
     # Each rank reads and tokenizes on its own and takes its share of one order: the same samples
     # everywhere, or some are seen twice and others never (and unequal validation batches hang).
@@ -173,18 +196,6 @@ def build_job(config: JobConfig, runtime: Runtime) -> Job:
         base_path=base_path, autocast=autocast_for(precision, runtime.device), out_dir=out_dir,
         num_offsets=_num_document_offsets(data, config) if takes_offsets else None, cuda_graph=cuda_graph,
     )
-
-
-def uses_cuda_graph(config: JobConfig, runtime: Runtime, *, takes_offsets: bool) -> bool:
-    """Whether the steps replay CUDA graphs: ``training.cuda_graph`` "true" (checked elsewhere), or
-    "auto" for LoRA in one CUDA process with packed rows into a model that takes the offsets (the
-    eager LoRA step waits for the host: 42,725 against 79,661 tokens/s graphed on one H200, Qwen3
-    shapes, 8 layers; benchmarks/results/session18)."""
-    setting = config.training.cuda_graph
-    if setting != "auto":
-        return setting == "true"
-    return (runtime.device.type == "cuda" and runtime.world_size == 1 and config.data.packing and takes_offsets
-            and config.lora.enabled)
 
 
 def _check_graph_sharding(config: JobConfig, runtime: Runtime) -> None:
@@ -256,6 +267,7 @@ def checkpoint_to_resume(config: JobConfig, runtime: Runtime) -> Path | None:
     check_resumable(state.data, packed=config.data.packing, packing_strategy=config.data.packing_strategy, where=where)
     checkpointing.check_compatible(path, state, fingerprint=job_fingerprint(config, load_model_config(config.model)),
                                    world_size=runtime.world_size)
+    checkpointing.check_files(path, state)
     return path
 
 
@@ -279,8 +291,8 @@ def open_sink(job: Job, config: JobConfig, step: int) -> metrics.MetricsSink | m
                                initial_step=step, run_config=to_dict(config))
     stats = job.data.stats
     sink.message(f"data: {len(job.data.train)} train / {len(job.data.val)} validation samples; "
-                 f"{stats.bad_rows} malformed rows skipped, {stats.truncated} truncated to "
-                 f"{config.data.max_length} tokens, {stats.empty} without answer tokens dropped"
+                 f"{stats.dropped(max_length=config.data.max_length)}"
+                 + (f" (first problems: {' | '.join(stats.examples)})" if stats.examples else "")
                  + (f"; resuming at step {step}" if step else ""))
     layout = sharding_description(job)
     sink.message(f"model: {layout}; steps {'replayed from CUDA graphs' if job.cuda_graph else 'eager'} "

@@ -101,6 +101,11 @@ class CUDAGraphTrainStep:
             raise ValueError(f"CUDA-graph step: micro_batches must be >= 1, got {micro_batches}")
         if overlap_optimizer:
             _check_overlappable(model, optimizer, max_grad_norm)
+        # This step captures the model's whole forward and backward itself: the graphs a moetune model
+        # replays under a user's own loop (moetune.training.graphed_backbone) would only hold memory.
+        from moetune.training.graphed_backbone import set_training_graphs
+
+        set_training_graphs(model, False)
         self.model = model
         self.optimizer = optimizer
         self.warmup_steps = warmup_steps

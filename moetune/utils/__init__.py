@@ -1,1 +1,1 @@
-"""Small helpers shared by moetune's applications (recipe, bench)."""
+"""Small helpers shared by moetune's parts (loading, recipe, bench)."""

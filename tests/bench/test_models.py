@@ -8,7 +8,8 @@ import transformers
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
 import moetune
-from moetune.bench.models import CONFIGS_DIR, build_side, hf_balanced_gate, init_weights, load_config
+from moetune.bench.models import CONFIGS_DIR, build_side, hf_balanced_gate, load_config
+from moetune.bench.weights import init_weights
 from moetune.bench.run import tokens
 
 CPU = torch.device("cpu")

@@ -38,7 +38,7 @@ def test_recipe_probe_runs_each_variant_in_its_own_process(tmp_path):
 
 
 def test_a_terminated_probe_stops_its_run_and_keeps_what_it_logged(tmp_path):
-    """An outer ``timeout`` sends the probe SIGTERM: its training run (a session of its own) must not
+    """An outer ``timeout`` sends the probe SIGTERM: its training run (a process session of its own) must not
     outlive it, holding the GPU through the next variant, and the windows logged so far are kept."""
     work, out = tmp_path / "work", tmp_path / "out"
     probe = subprocess.Popen(

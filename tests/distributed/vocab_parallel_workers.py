@@ -113,21 +113,28 @@ def loss_in_chunks_and_under_autocast(rank: int, world_size: int, folder: str) -
 
     import torch.distributed as dist
 
-    from moetune.layers import linear_cross_entropy
+    from moetune.layers import linear_cross_entropy, lm_head_cross_entropy
 
-    head = _load(folder, ep_size=world_size, **VOCAB_PARALLEL).get_output_embeddings().weight
+    head_module = _load(folder, ep_size=world_size, **VOCAB_PARALLEL).get_output_embeddings()
+    head = head_module.weight
     full = head.full_tensor().detach()
     generator = torch.Generator().manual_seed(11)
     hidden = [torch.randn(13, full.shape[1], generator=generator) for _ in range(world_size)]
     targets = [torch.randint(0, full.shape[0], (13,), generator=generator) for _ in range(world_size)]
     targets[rank][: rank + 1] = -100
+    try:  # the split weight alone is refused by name: only the head module knows its shard
+        linear_cross_entropy(hidden[rank], head, targets[rank])
+    except TypeError as error:
+        assert "lm_head_cross_entropy" in str(error), error
+    else:
+        raise AssertionError("linear_cross_entropy accepted a vocabulary-parallel DTensor weight")
     for autocast, tol in ((False, TOL), (True, 2e-2)):
         context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         h, h_ref = (hidden[rank].clone().requires_grad_() for _ in range(2))
         w_ref = full.clone().requires_grad_()
         head.grad = None
         with context:
-            loss = linear_cross_entropy(h, head, targets[rank], chunk_rows=4)  # 7 chunks of the 26 gathered rows
+            loss = lm_head_cross_entropy(head_module, h, targets[rank], chunk_rows=4)  # 7 chunks of the 26 gathered rows
             expected = linear_cross_entropy(h_ref, w_ref, targets[rank], chunk_rows=5)
         loss.backward()
         expected.backward()

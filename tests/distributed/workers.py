@@ -653,7 +653,7 @@ def mixed_precision_and_from_config(rank: int, world_size: int, folder: str) -> 
 def _meta_initialised(config):
     """One process's ``init_weights`` after building on the meta device (the order the sharded
     path draws in), seed 0."""
-    from moetune.auto import materialize
+    from moetune.utils.materialize import materialize
     from moetune.models.registry import family_for
 
     family = family_for(config)

@@ -28,7 +28,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from moetune.kernels import apply_rope, moe_combine, moe_permute, rms_norm, swiglu, swiglu_split  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
-_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32"}
+_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64", torch.int32: "*i32",
+          torch.float8_e4m3fn: "*fp8e4nv"}
 _COMPILED: dict[tuple, object] = {}
 
 
@@ -83,7 +84,8 @@ class _CompileOnly:
 def compile_only(monkeypatch):
     for name in ("kernels.rms_norm", "kernels.swiglu", "kernels.rope", "kernels.permute", "kernels.qk_norm_rope",
                  "kernels.router", "kernels.grouped_gemm", "kernels.cross_entropy", "optim.adamw", "kernels.mla_rope",
-                 "kernels.expert_bias", "kernels.clamped_swiglu", "kernels.attention_sinks", "kernels.sum_squares"):  # fmt: skip
+                 "kernels.expert_bias", "kernels.clamped_swiglu", "kernels.attention_sinks", "kernels.sum_squares",
+                 "kernels.fp8_quantize", "kernels.fp8_grouped_gemm"):  # fmt: skip
         module = importlib.import_module(f"moetune.{name}")
         for attr, obj in list(vars(module).items()):
             if isinstance(obj, JITFunction) and attr.endswith("_kernel"):  # launched kernels, not jit helpers
@@ -248,3 +250,27 @@ def test_attention_sink_kernels_compile_for_hopper(compile_only, dtype):
     lse = torch.zeros(64, 80)[:, :64][None]
     sinks = torch.zeros(64, dtype=dtype)
     sink_grad(out, sink_scale(out, lse, sinks, torch.zeros(1, 64, 64), impl="triton"), lse, sinks, impl="triton")
+
+
+@pytest.mark.parametrize("blockwise", [False, True])
+def test_fp8_kernels_compile_for_hopper(compile_only, blockwise):
+    """The FP8 quantisers and GEMMs at Qwen3-30B-A3B's expert shapes (hidden 2048, width 768, 128
+    experts), launched as ``moetune.fp8`` launches them; the GEMMs must use Hopper's FP8 wgmma."""
+    from moetune.kernels import fp8_grouped_gemm
+    from moetune.kernels.fp8_quantize import column_layout, quantize_blocks, quantize_columns, quantize_rows
+
+    block = 128 if blockwise else None
+    tokens, hidden, width, experts = 512, 2048, 768, 128
+    offsets = torch.arange(1, experts + 1, dtype=torch.int32) * (tokens // experts)
+    x = torch.zeros(tokens, hidden, dtype=torch.bfloat16)
+    w = torch.zeros(experts, 2 * width, hidden, dtype=torch.bfloat16)
+    x_q, x_scale = quantize_rows(x, block=block, impl="triton")
+    w_q, w_scale = quantize_blocks(w, impl="triton") if blockwise else quantize_rows(w, impl="triton")
+    quantize_blocks(w.transpose(-2, -1), impl="triton") if blockwise else quantize_rows(w.transpose(-2, -1), impl="triton")
+    fp8_grouped_gemm.fp8_rows_mm(x_q, x_scale, w_q, w_scale, offsets, blockwise=blockwise, impl="triton")
+    p_q, p_scale, padded = quantize_columns(torch.zeros(tokens, 2 * width, dtype=torch.bfloat16), offsets, block=block, impl="triton")
+    q_q, q_scale, _ = quantize_columns(x, offsets, block=block, impl="triton")
+    fp8_grouped_gemm.fp8_weight_grad(p_q, p_scale, q_q, q_scale, padded, column_layout(offsets)[1], blockwise=blockwise,
+                                     impl="triton")  # fmt: skip
+    gemms = [c for key, c in _COMPILED.items() if key[0] in ("_fp8_rows_kernel", "_fp8_weight_grad_kernel")]
+    assert gemms and all("wgmma.mma_async" in c.asm["ptx"] and "e4m3" in c.asm["ptx"] for c in gemms)

@@ -192,7 +192,16 @@ def test_peft_on_the_moetune_model_trains_as_on_transformers(tmp_path, tokens):
     expected_model = peft.get_peft_model(plain, peft.LoraConfig(**config))
     model = peft.get_peft_model(ours, peft.LoraConfig(**config))
     model.load_state_dict(expected_model.state_dict())
-    losses = [m(input_ids=tokens, labels=tokens).loss for m in (model, expected_model)]
+    from moetune.moe import GroupedExperts
+
+    taken = []  # moetune's experts apply PEFT's factors to the activations (no adapted weight formed)
+    original = GroupedExperts._peft_factors
+    GroupedExperts._peft_factors = lambda self, name: taken.append(original(self, name)) or taken[-1]
+    try:
+        losses = [m(input_ids=tokens, labels=tokens).loss for m in (model, expected_model)]
+    finally:
+        GroupedExperts._peft_factors = original
+    assert taken and all(factors is not None for factors in taken)
     assert rel_err(losses[0], losses[1]) < 1e-5
     for loss in losses:
         loss.backward()
@@ -200,3 +209,54 @@ def test_peft_on_the_moetune_model_trains_as_on_transformers(tmp_path, tokens):
     assert grads[0].keys() == grads[1].keys() and any(".experts." in n for n in grads[0])
     for name in grads[1]:
         assert rel_err(grads[0][name], grads[1][name]) < 1e-5, name
+
+
+def test_a_damaged_adapter_is_named(tmp_path):
+    """A truncated adapter_model.safetensors and an adapter_config.json that is not JSON name the file."""
+    from moetune.lora import load_peft_adapter
+
+    model = build_moetune_model(tiny_qwen3_moe_config())
+    apply_lora(model, LoraSettings(rank=2, alpha=4))
+    export_peft_adapter(model, tmp_path / "adapter", base_model_name_or_path=str(tmp_path / "base"))
+    weights, config = tmp_path / "adapter" / "adapter_model.safetensors", tmp_path / "adapter" / "adapter_config.json"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=rf"{weights} is truncated: {len(data) - 100} of the {len(data)} bytes"):
+        load_peft_adapter(build_moetune_model(tiny_qwen3_moe_config()), tmp_path / "adapter")
+    config.write_text(config.read_text().replace(":", "", 1))
+    with pytest.raises(ValueError, match=rf"{config} is not valid JSON: Expecting ':' delimiter \(line \d+, column \d+\)"):
+        load_peft_adapter(build_moetune_model(tiny_qwen3_moe_config()), tmp_path / "adapter")
+
+
+def test_peft_on_transposed_experts_takes_the_factors_too():
+    """GPT-OSS-style [E, in, out] experts under PEFT's ParamWrapper: the factors applied to the
+    activations give the parametrized weight's function and gradients."""
+    from moetune.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(num_experts=3, hidden_size=8, intermediate_size=6, transposed=True, bias=True,
+                             activation="clamped_swiglu")  # fmt: skip
+    for param in experts.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    wrapper = torch.nn.Module()
+    wrapper.experts = experts
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], init_lora_weights=False,
+                             target_parameters=["experts.gate_up_proj", "experts.down_proj"])  # fmt: skip
+    model = peft.get_peft_model(wrapper, config)
+    x = torch.randn(10, 8)
+    counts = torch.tensor([4, 0, 6])
+    results = []
+    for fast in (True, False):
+        model.zero_grad()
+        if not fast:
+            GroupedExperts._peft_factors, saved = (lambda self, name: None), GroupedExperts._peft_factors
+        try:
+            out = model.base_model.model.experts(x, counts)
+        finally:
+            if not fast:
+                GroupedExperts._peft_factors = saved
+        out.square().sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+    assert rel_err(results[0][0], results[1][0]) < 1e-5
+    for name, grad in results[1][1].items():
+        assert rel_err(results[0][1][name], grad) < 1e-5, name

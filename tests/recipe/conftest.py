@@ -29,5 +29,9 @@ def tiny_job(tmp_path: Path):
         values.update({k.replace("__", "."): v for k, v in overrides.items()})
         return load_config(overrides=[f"{k}={v}" for k, v in values.items()])
 
+    # One thread, as the job's own training.num_threads, restored afterwards: other tests' fp32
+    # tolerances assume the suite's thread count (a different reduction order rounds differently).
+    threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
-    return make
+    yield make
+    torch.set_num_threads(threads_before)

@@ -203,7 +203,7 @@ def test_cuda_graph_setting_is_true_false_or_auto():
 
 def test_auto_graphs_lora_in_one_cuda_process_with_packed_rows():
     from moetune.recipe.distributed_setup import Runtime
-    from moetune.recipe.train import uses_cuda_graph
+    from moetune.recipe.step import uses_cuda_graph
 
     gpu, cpu = (Runtime(rank=0, world_size=1, local_rank=0, device=torch.device(d)) for d in ("cuda", "cpu"))
     two_gpus = Runtime(rank=0, world_size=2, local_rank=0, device=torch.device("cuda"))

@@ -81,7 +81,7 @@ def test_long_samples_are_truncated_and_counted(tokenizer):
     rows = [{"prompt": "9" * 40, "answer": "1"}, {"prompt": "1+1", "answer": "2"}]
     samples = tokenize(rows, tokenizer, max_length=20, stats=stats)
     assert [len(s.input_ids) for s in samples] == [14]  # the long one lost its answer: dropped
-    assert stats.truncated == 1 and stats.empty == 1
+    assert stats.truncated == 1 and stats.answers_cut == 1 and stats.empty == 0
 
 
 def test_packed_loss_equals_unpacked_loss(tokenizer):

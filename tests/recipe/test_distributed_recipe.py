@@ -19,7 +19,7 @@ def run_job(tmp_path: Path, out: Path, *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "moetune.cli", "finetune", "--nproc-per-node", "2", *short_job_args(tmp_path, out),
            *extra]
     log = tmp_path / f"{out.name}.log"
-    # Its own session, killed whole at the timeout: torchrun's workers must not outlive a hung test.
+    # Its own process session, killed whole at the timeout: torchrun's workers must not outlive a hung test.
     (code,) = run_concurrently([cmd], [log], env=subprocess_env(), timeout_s=240)
     assert code == 0, log.read_text()[-9000:]
     return read_metrics(out)

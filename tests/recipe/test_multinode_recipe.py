@@ -5,7 +5,7 @@ rendezvous on 127.0.0.1, and through examples/slurm_qwen3_30b_a3b.sbatch itself 
 and LOCAL_WORLD_SIZE 1 < WORLD_SIZE 2, so there are two "local rank 0" processes sharing one
 output folder; rank 0 alone must write it, and the losses must be those of one node.
 
-Every process a test starts is killed (its whole tree: torchrun starts its workers in sessions of
+Every process a test starts is killed (its whole tree: torchrun starts its workers in process sessions of
 their own) when the test times out or fails."""
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def test_the_sbatch_example_fails_when_its_job_fails(tmp_path):
 
 def test_a_failed_node_gets_the_others_killed_whole(tmp_path):
     """run_concurrently's clean-up: when one command fails, one that hangs is killed after the grace
-    period with what it started in a session of its own (as torchrun starts its workers)."""
+    period with what it started in a process session of its own (as torchrun starts its workers)."""
     pid_file = tmp_path / "worker.pid"
     hang = ["bash", "-c", f"setsid sleep 600 & echo $! > {pid_file}; wait"]
     logs = [tmp_path / "hang.log", tmp_path / "fail.log"]

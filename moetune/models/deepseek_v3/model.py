@@ -81,12 +81,12 @@ class DeepseekV3Attention(hf.DeepseekV3Attention):
     mask through SDPA. Where those kernels run (CUDA, half precision), the values are zero-padded
     to the query width and the output sliced back, as Transformers does for flash-attention-2: the
     padded columns contribute nothing, so the result is the same attention. Measured on an H200
-    (Moonlight-16B-A3B, packed rows): the recipe 1.14-1.17x faster (benchmarks/results/session14).
+    (Moonlight-16B-A3B, packed rows): the recipe 1.14-1.17x faster (2026-12-01, commit f0f1a98 against the tree before it).
     Unpacked rows keep the narrow values where SDPA's cuDNN kernel takes them (sm90 / sm100):
     there it runs 1.46x faster than on padded ones. Queries, keys and values are assembled by
     ``moetune.kernels.mla_rope`` (one Triton kernel each way on CUDA, the same math in torch ops
     elsewhere) instead of Transformers' splits, RoPE ops and concatenations
-    (benchmarks/results/session15)."""
+    (benchmarks/results/mla_attention_probe_h200_c574802.jsonl)."""
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__(config, layer_idx)

@@ -1,0 +1,266 @@
+"""The decoder stack's training forward / backward replayed from CUDA graphs under the user's own loop
+(``moetune.training.graphed_backbone``): the bucket padding is exact (CPU, eager padded path), and
+on a GPU the replays train exactly like the eager model (write / accumulate gradients, several
+buckets, padding-free batches, PEFT's LoRA, user-owned gradients, two forwards before a backward)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import moetune
+from moetune.layers.document_attention import document_offsets
+from moetune.training.graphed_backbone import TrainingGraphs, bucket_count, bucket_length, set_training_graphs
+from tests.conftest import rel_err, tiny_family_config, tiny_qwen3_moe_config
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
+
+
+def test_buckets_pad_at_most_an_eighth_above_2048():
+    assert [bucket_length(n) for n in (1, 256, 257, 2048, 2049, 3000, 4096, 4097, 12000)] == [
+        256, 256, 512, 2048, 2304, 3072, 4096, 4608, 12288,
+    ]  # fmt: skip
+    for n in range(2049, 40000, 37):
+        assert n <= bucket_length(n) <= n * 1.125
+    assert [bucket_count(n) for n in (1, 8, 9, 100)] == [8, 8, 16, 128]
+
+
+def _eager_padded_pair(config):
+    """(reference model, the same model whose stack runs every batch through the bucket padding)."""
+    torch.manual_seed(0)
+    reference = moetune.AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    padded = copy.deepcopy(reference)
+    padded.model.__dict__["_training_graphs"] = runner = TrainingGraphs(padded.model, use_graphs=False)
+    return reference, padded, runner
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "nemotron_h"])
+def test_right_padded_batches_padded_to_the_bucket_train_exactly(family, monkeypatch):
+    """Right-padded rows (labels -100 at the pads) without their mask, padded further: same loss, aux
+    loss and gradients as Transformers' masked path (Nemotron-H: also through its Mamba-2 scans)."""
+    config = tiny_qwen3_moe_config() if family == "qwen3_moe" else tiny_family_config(family)
+    config.output_router_logits = True
+    reference, padded, runner = _eager_padded_pair(config)
+    from moetune.training import graphed_backbone
+
+    planned = []
+    monkeypatch.setattr(graphed_backbone, "plan_batch", _spy(graphed_backbone.plan_batch, planned))
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (3, 37), generator=generator)
+    mask = (torch.arange(37) < torch.tensor([37, 20, 5])[:, None]).long()
+    labels = ids.masked_fill(mask == 0, -100)
+    ours, theirs = (m(input_ids=ids, attention_mask=mask, labels=labels) for m in (padded, reference))
+    assert planned and planned[0] is not None and planned[0].padded > 37, "the padded path did not run"
+    # ... and produced the outputs (a config's use_cache=True once sent every batch back to the eager path).
+    assert config.use_cache and runner.eager_reason is None, runner.eager_reason
+    assert rel_err(ours.loss, theirs.loss) < 1e-6
+    if theirs.aux_loss is not None:
+        assert rel_err(ours.aux_loss, theirs.aux_loss) < 1e-6
+    ours.loss.backward()
+    theirs.loss.backward()
+    for (name, mine), ref in zip(padded.named_parameters(), reference.parameters()):
+        if ref.grad is not None:
+            assert rel_err(mine.grad, ref.grad) < 1e-5, name
+
+
+def test_padding_free_batches_get_a_document_of_pads():
+    reference, padded, _ = _eager_padded_pair(tiny_qwen3_moe_config())
+    lengths = [20, 25, 5]
+    ids = torch.randint(0, 96, (1, 50), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    offsets = document_offsets([lengths], row_length=50)
+    labels = ids.masked_fill(positions == 0, -100)
+    batch = dict(input_ids=ids, position_ids=positions, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
+                 max_length_q=25, max_length_k=25, labels=labels)  # fmt: skip
+    assert rel_err(padded(**batch).loss, reference(**batch).loss) < 1e-6
+
+
+def test_batches_where_padding_is_not_exact_run_as_before(monkeypatch):
+    """Left padding, or a prediction at a pad that is scored: the stack runs Transformers' masked path."""
+    reference, padded, _ = _eager_padded_pair(tiny_qwen3_moe_config())
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(3))
+    right = (torch.arange(16) < torch.tensor([16, 9])[:, None]).long()
+    from moetune.training import graphed_backbone
+
+    plans = []
+    monkeypatch.setattr(graphed_backbone, "plan_batch", _spy(graphed_backbone.plan_batch, plans))
+    for mask, labels in ((right.flip(-1), ids), (right, ids)):  # left-padded; right-padded with pads scored
+        assert rel_err(padded(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                       reference(input_ids=ids, attention_mask=mask, labels=labels).loss) < 1e-6  # fmt: skip
+    assert plans == [None, None]
+
+
+def test_cuda_graphs_option_switches_the_graphs_off():
+    model = moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(), cuda_graphs=False)
+    assert model.model.cuda_graph_training is False
+    set_training_graphs(model, True)
+    assert model.model.cuda_graph_training is True
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(), cuda_graphs="yes")
+
+
+def _spy(fn, calls: list):
+    def wrapper(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        calls.append(result)
+        return result
+
+    return wrapper
+
+
+# -- on a GPU: the replays against the eager model --
+
+
+def _cuda_pair(*, aux_loss: bool = True, **overrides):
+    torch.manual_seed(0)
+    config = tiny_qwen3_moe_config(vocab_size=128, hidden_size=64, moe_intermediate_size=32,
+                                   output_router_logits=aux_loss, **overrides)  # fmt: skip
+    with torch.device("cuda"):
+        graphed = moetune.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
+    eager = copy.deepcopy(graphed)
+    set_training_graphs(eager, False)
+    return graphed, eager
+
+
+def _padded_batch(lengths: list[int], width: int, *, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 128, (len(lengths), width), generator=generator)
+    mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
+    return {"input_ids": ids.cuda(), "attention_mask": mask.cuda(), "labels": ids.masked_fill(mask == 0, -100).cuda()}
+
+
+def _train(model, steps: list[list[dict]], *, set_to_none: bool = True) -> tuple[list[float], list[dict]]:
+    """A Trainer-shaped loop: micro-batches, backward, clip, AdamW, zero_grad; losses and the
+    gradients before each optimizer step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, grads = [], []
+    for micro_batches in steps:
+        for batch in micro_batches:
+            loss = model(**batch).loss / len(micro_batches)
+            loss.backward()
+            losses.append(loss.item())
+        grads.append({name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None})
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+    return losses, grads
+
+
+def _assert_same_training(graphed, eager, steps, **kwargs):
+    losses_g, grads_g = _train(graphed, steps, **kwargs)
+    losses_e, grads_e = _train(eager, steps, **kwargs)
+    torch.testing.assert_close(torch.tensor(losses_g), torch.tensor(losses_e), rtol=2e-3, atol=2e-3)
+    for step, (mine, theirs) in enumerate(zip(grads_g, grads_e)):
+        assert mine.keys() == theirs.keys()
+        for name in theirs:
+            assert rel_err(mine[name], theirs[name]) < 3e-2, (step, name)
+    runner = graphed.model.__dict__.get("_training_graphs")
+    assert runner is not None and runner.disabled_reason is None, runner and runner.disabled_reason
+    return runner
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation-checkpointing"])
+def test_replayed_steps_train_like_the_eager_model_with_accumulation_and_buckets(checkpointing):
+    graphed, eager = _cuda_pair()
+    if checkpointing:  # TRL's default: the recomputation is captured in the backward graph
+        for model in (graphed, eager):
+            model.gradient_checkpointing_enable()
+    lengths = [[300, 120], [300, 300], [90, 200], [512, 40], [700, 650], [260, 100]]
+    steps = [[_padded_batch(ls, max(ls), seed=10 * i + j) for j in range(2)] for i, ls in enumerate(lengths * 2)]
+    runner = _assert_same_training(graphed, eager, steps)
+    assert runner.replays >= 10
+    assert {key[0] for key in runner._buckets} == {"rows"} and len(runner._buckets) >= 3
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_replayed_steps_with_user_zeroed_gradients_and_two_forwards():
+    graphed, eager = _cuda_pair(aux_loss=False)
+    steps = [[_padded_batch([256, 256], 256, seed=i)] for i in range(6)]
+    runner = _assert_same_training(graphed, eager, steps, set_to_none=False)
+    assert runner.replays >= 3
+    # Two forwards, then one backward of their sum (the second forward runs eagerly while the first's
+    # activations wait in the graphs' memory), three times: warm-up, capture, replay.
+    replays = runner.replays
+    for round_ in range(3):
+        batches = [_padded_batch([256], 256, seed=20 + 2 * round_ + i) for i in range(2)]
+        sums = []
+        for model in (graphed, eager):
+            model.zero_grad(set_to_none=True)
+            (model(**batches[0]).loss + model(**batches[1]).loss).backward()
+            sums.append({n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None})
+        assert sums[0].keys() == sums[1].keys()
+        for name in sums[1]:
+            assert rel_err(sums[0][name], sums[1][name]) < 3e-2, (round_, name)
+    assert runner.replays > replays
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_replayed_padding_free_steps():
+    graphed, eager = _cuda_pair()
+    steps = []
+    for i in range(8):
+        lengths = [100 + 37 * i, 300, 60 + 11 * i]
+        total = sum(lengths)
+        ids = torch.randint(0, 128, (1, total), generator=torch.Generator().manual_seed(i)).cuda()
+        positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+        offsets = document_offsets([lengths], row_length=total).cuda()
+        steps.append([dict(input_ids=ids, position_ids=positions, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
+                           max_length_q=max(lengths), max_length_k=max(lengths),
+                           labels=ids.masked_fill(positions == 0, -100))])  # fmt: skip
+    runner = _assert_same_training(graphed, eager, steps)
+    assert runner.replays >= 2 and {key[0] for key in runner._buckets} == {"documents"}
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_replayed_steps_with_peft_lora_on_the_experts():
+    peft = pytest.importorskip("peft")
+    graphed, eager = _cuda_pair(aux_loss=False)
+    models = []
+    for model in (graphed, eager):
+        torch.manual_seed(3)
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+        models.append(peft.get_peft_model(model, config))
+    steps = [[_padded_batch([256, 200], 256, seed=i)] for i in range(6)]
+    losses_and_grads = [_train(model, steps) for model in models]
+    torch.testing.assert_close(torch.tensor(losses_and_grads[0][0]), torch.tensor(losses_and_grads[1][0]), rtol=2e-3, atol=2e-3)
+    for mine, theirs in zip(losses_and_grads[0][1], losses_and_grads[1][1]):
+        assert mine.keys() == theirs.keys() and all("lora" in name for name in theirs)
+        for name in theirs:
+            assert rel_err(mine[name], theirs[name]) < 3e-2, name
+    assert graphed.model.__dict__["_training_graphs"].replays >= 3
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_moetune_trainer_steps_moetunes_adamw_with_the_clipping_folded_in(tmp_path):
+    """``moetune.Trainer`` on one GPU: moetune's AdamW (the same update as the default torch AdamW,
+    clipping's coefficient applied in its kernel) trains as Transformers' Trainer does."""
+    transformers = pytest.importorskip("transformers")
+    datasets = pytest.importorskip("datasets")
+    from moetune.optim import AdamW
+
+    generator = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": (ids := torch.randint(0, 128, (256,), generator=generator).tolist()), "labels": ids}
+            for _ in range(8)]  # fmt: skip
+    losses, optimizers = {}, {}
+    for name, trainer_cls in (("transformers", transformers.Trainer), ("moetune", moetune.Trainer)):
+        graphed, _ = _cuda_pair(aux_loss=False)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / name), max_steps=6, per_device_train_batch_size=2, learning_rate=1e-3,
+            max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to=[], bf16=True, seed=0,
+            dataloader_num_workers=0, disable_tqdm=True,
+        )  # fmt: skip
+        trainer = trainer_cls(model=graphed, args=args, train_dataset=datasets.Dataset.from_list(rows))
+        trainer.train()
+        losses[name] = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        optimizers[name] = type(getattr(trainer.optimizer, "optimizer", trainer.optimizer))
+    assert optimizers["moetune"] is AdamW and optimizers["transformers"] is torch.optim.AdamW
+    torch.testing.assert_close(torch.tensor(losses["moetune"]), torch.tensor(losses["transformers"]), rtol=2e-2, atol=2e-2)
