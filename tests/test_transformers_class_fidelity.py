@@ -36,6 +36,11 @@ def _hub_checkpoint(family: str, tmp_path):
     return ref, save_with_transformers(ref, tmp_path)
 
 
+def _tensor_names(folder) -> set[str]:
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
+        return set(handle.keys())
+
+
 def _backends(model) -> set[str]:
     return {m.backend for m in model.modules() if isinstance(m, GroupedExperts)}
 
@@ -73,8 +78,7 @@ def test_backbone_writes_the_hub_layout_that_transformers_reads(family, tmp_path
     ref, folder = _hub_checkpoint(family, tmp_path)
     backbone = FAMILIES[family].base_model.from_pretrained(folder, output_loading_info=True)[0]
     backbone.save_pretrained(tmp_path / "backbone")
-    with safe_open(str(tmp_path / "backbone" / "model.safetensors"), framework="pt") as handle:
-        keys = set(handle.keys())
+    keys = _tensor_names(tmp_path / "backbone")
     assert any(".experts.0." in key for key in keys) and not any(key.endswith("experts.down_proj") for key in keys)
     assert not any(key.startswith(("model.", "lm_head")) for key in keys)
     ids = parity_batch(ref.config.vocab_size, padded=False)[0]
@@ -99,11 +103,19 @@ def test_modules_transformers_keeps_in_fp32_load_in_fp32(family, tmp_path):
             assert {n: t.dtype for n, t in ours.state_dict().items()} == expected
 
 
+@pytest.mark.parametrize("family", NAMES)
+def test_saves_the_tensor_names_transformers_saves(family, tmp_path):
+    """``save_pretrained`` writes what Transformers' writes (its original format, the Hub's): the experts
+    one by one, and Nemotron-H's tensors under ``backbone.`` (moetune wrote ``model.``)."""
+    _, folder = _hub_checkpoint(family, tmp_path)
+    FAMILIES[family].causal_lm.from_pretrained(folder).save_pretrained(tmp_path / "ours")
+    assert _tensor_names(tmp_path / "ours") == _tensor_names(folder)
+
+
 def test_class_from_pretrained_fails_loudly(tmp_path):
     """A checkpoint that moetune's class cannot hold is an error naming what is wrong, never
     parameters left as initialised: a missing expert tensor, another architecture's checkpoint."""
     _, folder = _hub_checkpoint("qwen3_moe", tmp_path)
-    tensors = {}
     with safe_open(str(folder / "model.safetensors"), framework="pt") as handle:
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
     del tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
