@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# FP8 training on one H100 / H200, everything in one call (about 5 minutes):
-#   1. versions, GPU
-#   2. gputests  tests/fp8 -m gpu: kernels equal their references (quantisers bit for bit), no host
-#                sync, CUDA-graph replay, the four families' tiny models within 2% of bf16
+# FP8 training on one H100 / H200, everything in one call (about 9 minutes with the default BUDGET):
+#   1. versions, GPU, commit (MOETUNE_COMMIT when set: a copied tree's .git may be stale)
+#   2. gputests_kernels  tests/fp8 -m gpu, the kernel and linear tests: kernels equal their references
+#                (quantisers bit for bit), torch's FP8 GEMMs and the block-scaled dense shapes cuBLAS
+#                cannot take, no host sync
 #   3. steps     benchmarks/fp8_step_bench.py: moetune's step in bf16, then FP8 rowwise and blockwise
 #                (backend auto) on the same model, real routing, seq 4096: Qwen3-30B-A3B (8 layers,
 #                eager and graphed, with one profiled step per setting), GPT-OSS-20B, Nemotron 3 Nano,
 #                Moonlight-16B-A3B (4 layers each)
 #   4. ft_*      the default job (moetune/assets/default) for 400 steps in bf16 and in FP8 (rowwise),
-#                bf16 weights, CUDA-graph steps, loss logged every 10 steps; curves side by side
+#                bf16 weights, CUDA-graph steps, loss logged every 10 steps; curves side by side when
+#                both runs wrote their metrics
 #   5. probe     benchmarks/fp8_probe.py: one MoE layer's experts and a dense linear at Qwen3 shapes,
 #                bf16 against each FP8 setting, then each FP8 piece (quantisers, GEMMs) alone
+#   6. gputests_models  tests/fp8 -m gpu, the rest: the four families' tiny models within 2% of bf16,
+#                CUDA-graph replay (slow to compile: after the measurements)
 # Logs and results go to $R ($OUT/r) and are packed into $OUT/fp8_results.tar.gz; $OUT/summary.txt has
-# each stage's tail. BUDGET (seconds, default 330): no stage starts after it, each is cut to what is left.
+# each stage's tail. BUDGET (seconds, default 540): no stage starts after it, each is cut to what is
+# left. STAGES="steps probe" runs only the stages named.
 #
 #   OUT=/some/dir bash benchmarks/fp8_gpu.sh
 set -u
@@ -20,29 +25,33 @@ OUT=${OUT:-benchmarks/results/fp8_local}
 R=${R:-$OUT/r}  # the logs and results, packed at the end (R outside OUT returns only the archive)
 mkdir -p "$OUT" "$R"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-BUDGET=${BUDGET:-330}
+BUDGET=${BUDGET:-540}
 START=$(date +%s)
 
 log() { echo "[$(($(date +%s) - START))s] $*" | tee -a "$OUT/summary.txt"; }
+selected() { [ -z "${STAGES:-}" ] || [[ " $STAGES " == *" $1 "* ]]; }
 stage() {
   local name=$1 limit=$2 left rc
   shift 2
+  selected "$name" || return 0
   left=$((BUDGET - ($(date +%s) - START)))
   if [ "$left" -lt 15 ]; then log "SKIP $name: no time left"; return 1; fi
   [ "$limit" -gt "$left" ] && limit=$left
   log "START $name (limit ${limit}s): $*"
   timeout "$limit" "$@" >"$R/$name.log" 2>&1
   rc=$?
-  log "END $name rc=$rc"
+  log "END $name rc=$rc$([ $rc -eq 124 ] && echo ' (time limit)')"
   tail -n "${TAIL:-15}" "$R/$name.log" | tee -a "$OUT/summary.txt"
   return $rc
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/summary.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/summary.txt"
-git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/summary.txt"
+echo "commit ${MOETUNE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" | tee -a "$OUT/summary.txt"
 
-TAIL=25 stage gputests 80 python3 -m pytest tests/fp8 -m gpu -q -p no:cacheprovider -rf
+MODEL_TESTS="tiny_models or cuda_graphs"
+PYTEST=(python3 -m pytest tests/fp8 -m gpu -q -p no:cacheprovider -rfE --durations=8)
+TAIL=25 stage gputests_kernels 150 "${PYTEST[@]}" -k "not ($MODEL_TESTS)"
 TAIL=30 stage steps 150 python3 benchmarks/fp8_step_bench.py \
   --configs qwen3_30b_a3b:8 gpt_oss_20b:4 nemotron_3_nano_30b_a3b:4 moonlight_16b_a3b:4 \
   --settings bf16 rowwise:auto blockwise:auto --graphed qwen3_30b_a3b --profile-config qwen3_30b_a3b \
@@ -53,9 +62,14 @@ stage ft_bf16 60 "${FT[@]}" --training.cuda_graph true --training.output_dir "$R
 if ! stage ft_fp8 60 "${FT[@]}" --training.cuda_graph true --model.fp8 rowwise --training.output_dir "$R/ft_fp8"; then
   stage ft_fp8_eager 70 "${FT[@]}" --training.cuda_graph false --model.fp8 rowwise --training.output_dir "$R/ft_fp8"
 fi
-python3 benchmarks/fp8_loss_curves.py bf16="$R/ft_bf16/metrics.jsonl" fp8="$R/ft_fp8/metrics.jsonl" \
-  --out "$R/loss_curves.png" 2>&1 | tee -a "$OUT/summary.txt"
+if [ -s "$R/ft_bf16/metrics.jsonl" ] && [ -s "$R/ft_fp8/metrics.jsonl" ]; then
+  python3 benchmarks/fp8_loss_curves.py bf16="$R/ft_bf16/metrics.jsonl" fp8="$R/ft_fp8/metrics.jsonl" \
+    --out "$R/loss_curves.png" 2>&1 | tee -a "$OUT/summary.txt"
+elif selected ft_bf16 || selected ft_fp8; then
+  log "SKIP loss_curves: a fine-tune wrote no metrics.jsonl ($R/ft_bf16, $R/ft_fp8)"
+fi
 TAIL=40 stage probe 45 python3 benchmarks/fp8_probe.py --out "$R/probe.jsonl"
+TAIL=25 stage gputests_models 150 "${PYTEST[@]}" -k "$MODEL_TESTS"
 tar czf "$OUT/fp8_results.tar.gz" --exclude='*.safetensors' --exclude='final' --exclude='checkpoints' \
   -C "$(dirname "$R")" "$(basename "$R")"
 log "done"

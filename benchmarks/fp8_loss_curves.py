@@ -29,7 +29,11 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", metavar="LABEL=METRICS_JSONL")
     parser.add_argument("--out", default="loss_curves.png")
     args = parser.parse_args()
-    runs = {label: _read(path) for label, _, path in (item.partition("=") for item in args.runs)}
+    paths = {label: path for label, _, path in (item.partition("=") for item in args.runs)}
+    missing = [f"{label}={path}" for label, path in paths.items() if not Path(path).is_file()]
+    if missing:
+        parser.error(f"no metrics file for {', '.join(missing)} (did that fine-tune run and log any step?)")
+    runs = {label: _read(path) for label, path in paths.items()}
     first = next(iter(runs))
     base_train, base_val = runs[first][0][-1][1], (runs[first][1][-1][1] if runs[first][1] else None)
     for label, (train, validation) in runs.items():

@@ -140,13 +140,13 @@ class Fp8LinearFunction(torch.autograd.Function):
 
 
 def _weight_grad(dy_NO, x_NK, offsets_E, *, settings: Fp8Settings, out_dtype: torch.dtype, dense: bool) -> torch.Tensor:
-    """[E, O, K]: each group's ``dy^T x``, both quantised along the tokens."""
-    dy_q, dy_scale, padded_E = quantize_columns(dy_NO, offsets_E, block=settings.block, impl=settings.impl)
-    x_q, x_scale, _ = quantize_columns(x_NK, offsets_E, block=settings.block, impl=settings.impl)
+    """[E, O, K]: each group's ``dy^T x``, both quantised along the tokens (on one ``column_layout``)."""
     if offsets_E is None:
         offsets_E = torch.full((1,), x_NK.shape[0], dtype=torch.int32, device=x_NK.device)
-    _, block_starts_E = column_layout(offsets_E)
-    return weight_grad(dy_q, dy_scale, x_q, x_scale, padded_E, block_starts_E, num_rows=x_NK.shape[0], dense=dense,
+    layout = column_layout(offsets_E)
+    dy_q, dy_scale, padded_E = quantize_columns(dy_NO, offsets_E, block=settings.block, impl=settings.impl, layout=layout)
+    x_q, x_scale, _ = quantize_columns(x_NK, offsets_E, block=settings.block, impl=settings.impl, layout=layout)
+    return weight_grad(dy_q, dy_scale, x_q, x_scale, padded_E, layout[1], num_rows=x_NK.shape[0], dense=dense,
                        settings=settings, out_dtype=out_dtype)  # fmt: skip
 
 

@@ -337,12 +337,15 @@ def quantize_blocks(w: torch.Tensor, *, impl: Impl = "auto") -> tuple[torch.Tens
 
 
 def quantize_columns(
-    x_NC: torch.Tensor, offsets_E: torch.Tensor | None = None, *, block: int | None = None, impl: Impl = "auto"
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x_NC: torch.Tensor, offsets_E: torch.Tensor | None = None, *, block: int | None = None, impl: Impl = "auto",
+    layout: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(e4m3 [C, N'] transposed with each group's rows from a multiple of 16 on, the gaps zero; fp32
     scales [E, C] (``block=None``) or [NB, C] (``block=128``: group e's j-th block of 128 rows is
     ``column_layout(offsets_E)[1][e] + j``); padded group ends [E] int32). ``offsets_E`` (group ends;
-    None: one group of all rows) stays on the device."""
+    None: one group of all rows) stays on the device. ``layout``: ``column_layout(offsets_E)`` where
+    the caller has it already (a weight gradient quantises two operands on the same groups; each
+    ``column_layout`` is a dozen small kernel launches)."""
     if block not in (None, BLOCK):
         raise ValueError(f"quantize_columns: block must be None (one scale per group and column) or {BLOCK}, got {block!r}")
     if x_NC.dim() != 2:
@@ -353,7 +356,7 @@ def quantize_columns(
     if offsets_E is None:
         offsets_E = torch.full((1,), num_rows, dtype=torch.int32, device=x_NC.device)
     num_groups = offsets_E.numel()
-    padded_E, block_starts_E = column_layout(offsets_E)
+    padded_E, block_starts_E = column_layout(offsets_E) if layout is None else layout
     num_padded = padded_rows_bound(num_rows, num_groups)
     num_blocks = column_blocks_bound(num_rows, num_groups)
     q_CN = torch.empty(num_cols, num_padded, dtype=FP8_DTYPE, device=x_NC.device)
@@ -370,9 +373,12 @@ def quantize_columns(
             # Per-block column amax, then each group's max over its blocks (a small [NB, C] reduction).
             partial = torch.zeros(num_blocks, num_cols, dtype=torch.float32, device=x_NC.device)
             _quantize_columns_kernel[grid](x_NC, q_CN, partial, *args, MODE=0, **common)
-            blocks = torch.arange(num_blocks, device=x_NC.device, dtype=torch.int32)
-            group_of_block = torch.searchsorted(block_starts_E, blocks, right=True) - 1
-            scale = pow2_scale(_group_amax(partial, group_of_block, num_groups))
+            if num_groups == 1:  # a dense layer: every block is the group's (the unused ones zeros)
+                scale = pow2_scale(partial.amax(0, keepdim=True))
+            else:
+                blocks = torch.arange(num_blocks, device=x_NC.device, dtype=torch.int32)
+                group_of_block = torch.searchsorted(block_starts_E, blocks, right=True) - 1
+                scale = pow2_scale(_group_amax(partial, group_of_block, num_groups))
             _quantize_columns_kernel[grid](x_NC, q_CN, scale, *args, MODE=1, **common)
         else:
             _quantize_columns_kernel[grid](x_NC, q_CN, scale, *args, MODE=2, **common)

@@ -249,6 +249,15 @@ class TrainingGraphs:
     """CUDA-graph replays of one decoder stack's training forward and backward (see the module).
     ``run`` returns the stack's outputs, or None when this call must run eagerly."""
 
+    graph_accumulation: bool = False
+    """Replay a second graph that adds into the gradients of an earlier micro-batch (gradient
+    accumulation). Off until its GPU test passes (tests/test_graphed_training.py, not yet run on a
+    GPU): such micro-batches run eagerly and add into the same gradients, which is exact."""
+
+    graph_checkpointing: bool = False
+    """Capture activation checkpointing's recomputation inside the backward graph. Off until its GPU
+    test passes: models with checkpointing on train eagerly."""
+
     def __init__(self, backbone: torch.nn.Module, *, eager_runs_per_bucket: int = 1, use_graphs: bool = True) -> None:
         """``use_graphs=False`` runs the bucket-padded batches eagerly (on any device): the padding's
         exactness, testable without a GPU."""
@@ -292,6 +301,8 @@ class TrainingGraphs:
         backbone = self._backbone_ref()
         if backbone is None or self.disabled_reason is not None or not _graphable_now(backbone):
             return self._eager("not a training forward on CUDA (or graphs disabled)")
+        if _checkpointing(backbone) and not self.graph_checkpointing:
+            return self._eager("activation checkpointing (graph_checkpointing is off)")
         ids = kwargs.get("input_ids")
         if not isinstance(ids, torch.Tensor) or (self.use_graphs and not ids.is_cuda):
             return self._eager("no CUDA input_ids")
@@ -312,6 +323,8 @@ class TrainingGraphs:
         if not self.use_graphs:
             return _cut(forward(call, output_router_logits), plan)
         state = self._grad_state(adopt=True)
+        if state == "accumulate" and not self.graph_accumulation:
+            return self._eager("a further micro-batch of gradient accumulation (graph_accumulation is off)")
         key = (*plan.key, output_router_logits, *_autocast_state())
         bucket = self._buckets.get(key)
         if bucket is None:

@@ -117,6 +117,24 @@ def test_torch_fp8_gemms_equal_the_references(recipe, grouped):
     assert rel_err(out, ref) < 5e-3
 
 
+@pytest.mark.parametrize("in_features,out_features", [(2688, 3712), (2816, 2048), (2048, 4096)])
+def test_block_scaled_dense_linears_run_at_the_shapes_cublas_refused(in_features, out_features):
+    """Nemotron 3 Nano's and Moonlight's shared-expert widths (K-blocks 21 and 22: Triton, which
+    torch 2.11's ``_scaled_mm`` refused on 2026-12-07) and Qwen3's q projection (cuBLAS), forward
+    and both gradients, against the reference backend."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(512, in_features, generator=generator).to("cuda", torch.bfloat16)
+    w = (torch.randn(out_features, in_features, generator=generator) * 0.02).to("cuda", torch.bfloat16)
+    results = []
+    for settings in (Fp8Settings("blockwise", "auto"), Fp8Settings("blockwise", "reference")):
+        x_, w_ = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(x_, w_, None, settings=settings)
+        y.float().square().sum().backward()
+        results.append((y, x_.grad, w_.grad))
+    for name, ours, ref in zip(("y", "dx", "dw"), *results):
+        assert rel_err(ours, ref) < 1e-2, name
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_linears_equal_the_reference_backend_without_host_sync(recipe, backend):

@@ -42,6 +42,27 @@ def test_quantizer_kernels_in_the_interpreter(interpret, block):
     assert _close_to_reference(q[:, :used], q_ref[:, :used])
 
 
+@pytest.mark.parametrize("block", [None, 128])
+def test_column_quantizer_in_the_interpreter_with_the_callers_layout_and_one_group(interpret, block):
+    """A weight gradient hands both operands' quantisations one ``column_layout``; a dense layer is one
+    group (its per-column amax a plain reduction)."""
+    generator = torch.Generator().manual_seed(5)
+    rows = wide_range(200, 24, generator=generator)
+    offsets = torch.tensor([90, 200], dtype=torch.int32)
+    (q, s, padded), (q_own, s_own, padded_own) = (
+        quantize_columns(rows, offsets, block=block, impl="triton", layout=layout)
+        for layout in (column_layout(offsets), None)
+    )  # fmt: skip
+    used, num_scales = int(padded_own[-1]), 2  # past them: never written
+    assert torch.equal(padded, padded_own) and torch.equal(s[:num_scales], s_own[:num_scales])
+    assert torch.equal(q[:, :used].float(), q_own[:, :used].float())
+    q, s, padded = quantize_columns(rows, None, block=block, impl="triton")
+    q_ref, s_ref, padded_ref = quantize_columns(rows, None, block=block, impl="torch")
+    used, num_scales = int(padded_ref[-1]), 1 if block is None else 2
+    assert torch.equal(padded, padded_ref) and torch.equal(s[:num_scales], s_ref[:num_scales])
+    assert _close_to_reference(q[:, :used], q_ref[:, :used])
+
+
 @pytest.mark.parametrize("blockwise", [False, True])
 def test_fp8_gemm_kernels_in_the_interpreter(interpret, blockwise):
     """Both GEMMs on operands the reference quantised: ragged groups (empty ones too), partial 128-blocks,
