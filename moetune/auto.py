@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from moetune.checkpoint import (
     rename_checkpoint_tensors,
     unused_parameter_names,
 )
-from moetune.checkpoint.files import state_dict_tensors
+from moetune.checkpoint.files import TensorInfo, state_dict_tensors
 from moetune.checkpoint.loader import TensorReader, initialize_afresh
 from moetune.distributed import parallelize_for_options
 from moetune.integrations import IMPLEMENTATION_NAME, register_moetune_experts
@@ -39,9 +40,10 @@ from moetune.loading_kwargs import (
     unexpected_from_config_arguments,
 )
 from moetune.fp8.settings import check_fp8_hardware
-from moetune.models import ModelFamily, family_for, set_moe_options
+from moetune.models import ModelFamily, family_for, family_of_class, set_moe_options
 from moetune.models.fp8 import enable_fp8
 from moetune.models.options import check_experts_backend
+from moetune.models.pretrained import MoetunePreTrainedMixin
 from moetune.models.registry import not_causal_reason, transformers_causal_lm_class
 from moetune.options import MoetuneOptions
 from moetune.training.graphed_backbone import set_training_graphs
@@ -95,109 +97,170 @@ class AutoModelForCausalLM(transformers.AutoModelForCausalLM):
         """Transformers v5's arguments (``moetune/loading_kwargs.py`` says what each does here) plus
         ``MoetuneOptions``; ``pretrained_model_name_or_path=None`` with ``config`` and ``state_dict``
         loads tensors given in memory."""
-        options = MoetuneOptions.pop_from(kwargs)
-        fallback_kwargs = dict(kwargs)
-        loading = pop_loading_arguments(kwargs)  # what is left are config fields (checked by _load_config)
-        path, hub, state_dict = pretrained_model_name_or_path, loading.hub, loading["state_dict"]
-        _check_weights_source(path, state_dict, loading["config"])
-        if loading["gguf_file"] is not None:
-            return _load_gguf_with_transformers(path, model_args, fallback_kwargs, options)
-        # The config first (of a Hub repo, only its JSON files): whether moetune implements the
-        # architecture, and so what the arguments mean, is known before any weight is fetched or read.
-        config_files = ("*.json", "*.py") if loading["trust_remote_code"] else ("*.json",)  # remote code's config class
-        folder = None if path is None else resolve_checkpoint_folder(path, patterns=config_files, **hub)
-        trust_remote_code, config = loading["trust_remote_code"], loading["config"]
-        config_overrides = set(kwargs)
-        config_given = config is not None
-        if config is None:
-            config = _load_config(folder, trust_remote_code=trust_remote_code, overrides=kwargs)
-        elif isinstance(config, (str, os.PathLike)):
-            # A path to the config (or a Hub id), as Transformers takes it: loaded, then the
-            # leftover keyword arguments override its fields.
-            config = _load_config(_config_location(config, hub), trust_remote_code=trust_remote_code, overrides=kwargs)
-        elif not isinstance(config, PretrainedConfig):
-            raise TypeError(f"config must be a PretrainedConfig or a path to one, got {type(config).__name__}")
-        elif kwargs:
-            raise TypeError(f"unexpected keyword arguments with an explicit config: {sorted(kwargs)}")
-        else:
-            # Loading sets dtype, _name_or_path and may drop quantization_config: do that to a copy,
-            # as Transformers does, so the caller's config is unchanged and no two models share one.
-            config = copy.deepcopy(as_implemented_config(config))
-        family = _family_for_quantization(config, family_for(config), loading["quantization_config"], path)
-        if family is None:
-            return _load_with_transformers(path, model_args, fallback_kwargs, config, config_overrides, options)
-        if model_args:
-            raise TypeError(f"{family.causal_lm.__name__} takes no positional model arguments, got {model_args!r}")
-        loading.check_for_moetune(config.model_type)  # refuses what moetune cannot honour, before any weight is read
-        check_fp8_hardware(options.fp8_settings)
-        experts_backend = experts_backend_for(loading["experts_implementation"], options.experts_backend, config.model_type)
-        attn_implementation = loading["attn_implementation"] or _attention_for(config, family)
-        if loading["fusion_config"] is not None:
-            config.fusion_config = copy.deepcopy(loading["fusion_config"])  # as Transformers records it
+        return load_pretrained(pretrained_model_name_or_path, *model_args, **kwargs)
 
-        if state_dict is not None:
-            tensors = state_dict_tensors(state_dict)
-        else:
-            folder = resolve_checkpoint_folder(path, **hub)  # a Hub repo's weights are downloaded now
-            tensors = list_checkpoint_tensors(folder, variant=loading["variant"])
-        if loading["key_mapping"] is not None:
-            tensors = rename_checkpoint_tensors(tensors, loading["key_mapping"])
-        dtype = loading["dtype"] if loading["dtype"] is not None else loading["torch_dtype"]
-        dtype = resolve_dtype(dtype, config, tensors)
-        device = resolve_device(loading["device_map"], distributed=options.distributed)
-        config.dtype = dtype
-        config._name_or_path = "" if path is None else str(path)
-        with torch.device("meta"), allow_all_hub_kernels() if loading["allow_all_kernels"] else contextlib.nullcontext():
-            model = family.causal_lm._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
-        # A caller who made the model shallower than the checkpoint (num_hidden_layers=N, a shorter
-        # layer pattern, or a config of its own) gets the first layers; the tensors of the others are
-        # left unread, as Transformers leaves them. Otherwise every tensor must have a place, except
-        # the multi-token-prediction layers DeepSeek-V3's files store after the checkpoint's last layer.
-        # A state dict comes with the caller's config: layers beyond it are left unread and reported.
-        callers_config = config_given or bool(config_overrides)
-        if state_dict is not None:
-            unused, num_checkpoint_layers = [], None
-        else:
-            num_checkpoint_layers = config.num_hidden_layers
-            if callers_config:
-                num_checkpoint_layers = _load_config(folder, trust_remote_code=trust_remote_code, overrides={}).num_hidden_layers
-            unused = [] if callers_config and config.num_hidden_layers < num_checkpoint_layers else None
-        mismatched: list | None = [] if loading["ignore_mismatched_sizes"] else None
-        plan = plan_checkpoint_load(  # raises before allocation
-            model, tensors, model.checkpoint_layout, unused=unused, num_checkpoint_layers=num_checkpoint_layers,
-            mismatched=mismatched,
-        )  # fmt: skip
-        source = "the state_dict" if folder is None else repr(str(folder))
-        unexpected = unused_parameter_names(unused, model, model.checkpoint_layout) if unused else set()
-        if unexpected:
-            warnings.warn(
-                f"{len(unexpected)} parameters in {source} belong to decoder layers beyond the model's "
-                f"{config.num_hidden_layers} (num_hidden_layers) and were not loaded: {', '.join(sorted(unexpected)[:4])}, ...",
-                stacklevel=2,
-            )
-        set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
-        enable_fp8(model, options.fp8_settings)
-        set_training_graphs(model, options.cuda_graphs)
-        if options.distributed:
-            model = parallelize_for_options(model, options, init_weights=False)
-        else:
-            materialize(model, device)
-        load_checkpoint(model, plan, TensorReader(state_dict, mmap=not loading["disable_mmap"]))
-        if mismatched:  # ignore_mismatched_sizes=True: as Transformers, the model's init and a report
-            initialize_afresh(model, {name for name, _, _ in mismatched})
-            listing = ", ".join(f"{name}: {list(theirs)} in the checkpoint, {list(ours)} here" for name, theirs, ours in mismatched)
-            warnings.warn(
-                f"{len(mismatched)} parameters of {type(model).__name__} have other shapes in {source} and were "
-                f"initialised afresh (ignore_mismatched_sizes=True): {listing}",
-                stacklevel=2,
-            )
+
+def load_pretrained(
+    pretrained_model_name_or_path: str | os.PathLike | None, *model_args: Any, model_class: type | None = None, **kwargs: Any
+):
+    """``from_pretrained`` of ``moetune.AutoModelForCausalLM`` (``model_class`` None: the architecture's
+    class, moetune's or Transformers') and of moetune's model classes (``model_class``: the causal LM or
+    the backbone of a family, e.g. ``moetune.models.qwen3_moe.model.Qwen3MoeModel``), which load the
+    same way: a checkpoint that moetune's class cannot hold is an error naming the tensors, never
+    parameters left as initialised."""
+    options = MoetuneOptions.pop_from(kwargs)
+    fallback_kwargs = dict(kwargs)
+    loading = pop_loading_arguments(kwargs)  # what is left are config fields (checked by _load_config)
+    path, hub, state_dict = pretrained_model_name_or_path, loading.hub, loading["state_dict"]
+    _check_weights_source(path, state_dict, loading["config"])
+    if loading["gguf_file"] is not None:
+        return _load_gguf_with_transformers(path, model_args, fallback_kwargs, options, model_class)
+    # The config first (of a Hub repo, only its JSON files): whether moetune implements the
+    # architecture, and so what the arguments mean, is known before any weight is fetched or read.
+    config_files = ("*.json", "*.py") if loading["trust_remote_code"] else ("*.json",)  # remote code's config class
+    folder = None if path is None else resolve_checkpoint_folder(path, patterns=config_files, **hub)
+    trust_remote_code, config = loading["trust_remote_code"], loading["config"]
+    config_overrides = set(kwargs)
+    config_given = config is not None
+    if config is None:
+        config = _load_config(folder, trust_remote_code=trust_remote_code, overrides=kwargs)
+    elif isinstance(config, (str, os.PathLike)):
+        # A path to the config (or a Hub id), as Transformers takes it: loaded, then the
+        # leftover keyword arguments override its fields.
+        config = _load_config(_config_location(config, hub), trust_remote_code=trust_remote_code, overrides=kwargs)
+    elif not isinstance(config, PretrainedConfig):
+        raise TypeError(f"config must be a PretrainedConfig or a path to one, got {type(config).__name__}")
+    elif kwargs:
+        raise TypeError(f"unexpected keyword arguments with an explicit config: {sorted(kwargs)}")
+    else:
+        # Loading sets dtype, _name_or_path and may drop quantization_config: do that to a copy,
+        # as Transformers does, so the caller's config is unchanged and no two models share one.
+        config = copy.deepcopy(as_implemented_config(config))
+    _check_class_for_config(model_class, config)
+    family = _family_for_quantization(config, family_for(config), loading["quantization_config"], path)
+    if family is None:
+        return _load_with_transformers(path, model_args, fallback_kwargs, config, config_overrides, options, model_class)
+    model_class = model_class or family.causal_lm
+    if model_args:
+        raise TypeError(f"{model_class.__name__} takes no positional model arguments, got {model_args!r}")
+    if issubclass(model_class, family.base_model) and options.distributed:
+        raise ValueError(
+            f"ep_size / device_mesh shard moetune's causal LMs: load {family.causal_lm.__name__} and use its `model`, "
+            f"not {model_class.__name__}"
+        )
+    loading.check_for_moetune(config.model_type)  # refuses what moetune cannot honour, before any weight is read
+    check_fp8_hardware(options.fp8_settings)
+    experts_backend = experts_backend_for(loading["experts_implementation"], options.experts_backend, config.model_type)
+    attn_implementation = loading["attn_implementation"] or _attention_for(config, family)
+    if loading["fusion_config"] is not None:
+        config.fusion_config = copy.deepcopy(loading["fusion_config"])  # as Transformers records it
+
+    if state_dict is not None:
+        tensors = state_dict_tensors(state_dict)
+    else:
+        folder = resolve_checkpoint_folder(path, **hub)  # a Hub repo's weights are downloaded now
+        tensors = list_checkpoint_tensors(folder, variant=loading["variant"])
+    if loading["key_mapping"] is not None:
+        tensors = rename_checkpoint_tensors(tensors, loading["key_mapping"])
+    tensors, head_tensors = tensors_for_class(tensors, family, model_class)
+    dtype = loading["dtype"] if loading["dtype"] is not None else loading["torch_dtype"]
+    dtype = resolve_dtype(dtype, config, tensors)
+    device = resolve_device(loading["device_map"], distributed=options.distributed)
+    config.dtype = dtype
+    config._name_or_path = "" if path is None else str(path)
+    with torch.device("meta"), allow_all_hub_kernels() if loading["allow_all_kernels"] else contextlib.nullcontext():
+        model = model_class._from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        keep_in_fp32(model, dtype)
+    # A caller who made the model shallower than the checkpoint (num_hidden_layers=N, a shorter
+    # layer pattern, or a config of its own) gets the first layers; the tensors of the others are
+    # left unread, as Transformers leaves them. Otherwise every tensor must have a place, except
+    # the multi-token-prediction layers DeepSeek-V3's files store after the checkpoint's last layer.
+    # A state dict comes with the caller's config: layers beyond it are left unread and reported.
+    callers_config = config_given or bool(config_overrides)
+    if state_dict is not None:
+        unused, num_checkpoint_layers = [], None
+    else:
+        num_checkpoint_layers = config.num_hidden_layers
+        if callers_config:
+            num_checkpoint_layers = _load_config(folder, trust_remote_code=trust_remote_code, overrides={}).num_hidden_layers
+        unused = [] if callers_config and config.num_hidden_layers < num_checkpoint_layers else None
+    mismatched: list | None = [] if loading["ignore_mismatched_sizes"] else None
+    # A caller who asks for Transformers' loading report gets Transformers' semantics: what the checkpoint
+    # lacks is initialised and reported, what it has beyond the model is reported. Otherwise either is an error.
+    report: dict | None = {} if loading["output_loading_info"] else None
+    plan = plan_checkpoint_load(  # raises before allocation
+        model, tensors, model.checkpoint_layout, unused=unused, num_checkpoint_layers=num_checkpoint_layers,
+        mismatched=mismatched, report=report,
+    )  # fmt: skip
+    source = "the state_dict" if folder is None else repr(str(folder))
+    unexpected = unused_parameter_names(unused, model, model.checkpoint_layout) if unused else set()
+    if head_tensors:
+        # Transformers' AutoModel on a ForCausalLM checkpoint: the head is not part of the backbone.
+        warnings.warn(
+            f"{len(head_tensors)} tensors of {source} are outside {model_class.__name__} (the checkpoint's head) and "
+            f"were not loaded: {', '.join(sorted(head_tensors)[:4])}",
+            stacklevel=2,
+        )
+    if unexpected:
+        warnings.warn(
+            f"{len(unexpected)} parameters in {source} belong to decoder layers beyond the model's "
+            f"{config.num_hidden_layers} (num_hidden_layers) and were not loaded: {', '.join(sorted(unexpected)[:4])}, ...",
+            stacklevel=2,
+        )
+    set_moe_options(model, balanced_gate=options.balanced_gate, experts_backend=experts_backend)
+    enable_fp8(model, options.fp8_settings)
+    set_training_graphs(model, options.cuda_graphs)
+    if options.distributed:
+        model = parallelize_for_options(model, options, init_weights=False)
+    else:
+        materialize(model, device)
+    load_checkpoint(model, plan, TensorReader(state_dict, mmap=not loading["disable_mmap"]))
+    if report and report["missing"]:
+        warnings.warn(
+            f"{len(report['missing'])} parameters of {type(model).__name__} are not in {source} and were initialised "
+            f"afresh (output_loading_info=True reports them as missing_keys): {', '.join(sorted(report['missing'])[:4])}",
+            stacklevel=2,
+        )
+    if mismatched or (report and report["missing"]):
+        # As Transformers does: the model's own init for what the checkpoint did not fill (ignore_mismatched_sizes,
+        # output_loading_info), with a report.
+        initialize_afresh(model, {name for name, _, _ in mismatched or ()} | (report or {}).get("missing", set()))
+    if mismatched:
+        listing = ", ".join(f"{name}: {list(theirs)} in the checkpoint, {list(ours)} here" for name, theirs, ours in mismatched)
+        warnings.warn(
+            f"{len(mismatched)} parameters of {type(model).__name__} have other shapes in {source} and were "
+            f"initialised afresh (ignore_mismatched_sizes=True): {listing}",
+            stacklevel=2,
+        )
+    if model.can_generate():
         model.generation_config = _generation_config(folder, model, loading["generation_config"])
-        model.eval()
-        model = model if options.distributed else _with_lora(model, options)
-        if loading["output_loading_info"]:  # Transformers' report; anything else missing or unexpected raised above
-            info = {"missing_keys": set(), "unexpected_keys": unexpected, "mismatched_keys": set(mismatched or ()), "error_msgs": []}
-            return model, info
-        return model
+    model.eval()
+    model = model if options.distributed else _with_lora(model, options)
+    if loading["output_loading_info"]:  # Transformers' report; anything else missing or unexpected raised above
+        unexpected = unexpected | set(head_tensors) | report["unexpected"]
+        info = {"missing_keys": report["missing"], "unexpected_keys": unexpected, "mismatched_keys": set(mismatched or ()),
+                "error_msgs": []}  # fmt: skip
+        return model, info
+    return model
+
+
+def keep_in_fp32(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Transformers' ``_keep_in_fp32_modules`` (for fp16) and ``_keep_in_fp32_modules_strict`` (for fp16 and
+    bf16): the parameters and buffers of the modules they name stay fp32 (GPT-OSS's norms, DeepSeek-V3's router)."""
+    names = set(getattr(model, "_keep_in_fp32_modules_strict", None) or ()) if dtype in (torch.float16, torch.bfloat16) else set()
+    if dtype == torch.float16:
+        names |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    if not names:
+        return
+    pattern = re.compile(r"(?:^|\.)(?:" + "|".join(map(re.escape, sorted(names))) + r")(?:\.|$)")
+    for module_name, module in model.named_modules():
+        for registry in (module._parameters, module._buffers):
+            for name, tensor in registry.items():
+                full_name = f"{module_name}.{name}" if module_name else name
+                if tensor is not None and tensor.is_floating_point() and pattern.search(full_name):
+                    registry[name] = tensor.float() if registry is module._buffers else torch.nn.Parameter(
+                        tensor.float(), requires_grad=tensor.requires_grad
+                    )
 
 
 def _check_weights_source(path: str | os.PathLike | None, state_dict: Any, config: Any) -> None:
@@ -254,16 +317,19 @@ def _family_for_quantization(config: PretrainedConfig, family: ModelFamily | Non
 
 
 def _load_with_transformers(path, model_args, kwargs: dict[str, Any], config: PretrainedConfig, config_overrides: set[str],
-                            options: MoetuneOptions):  # fmt: skip
+                            options: MoetuneOptions, model_class: type | None = None):  # fmt: skip
     """An architecture moetune does not implement (or a checkpoint Transformers' class must load):
-    Transformers' auto class with every argument as given, and the config already loaded."""
+    Transformers' auto class (or, for one of moetune's classes, the Transformers class it subclasses)
+    with every argument as given, and the config already loaded."""
     _check_fallback_options(config, options)
     _warn_if_not_causal(config, stacklevel=3)
     _prefer_moetune_experts(config, kwargs, options.experts_backend)
     for key in config_overrides:
         kwargs.pop(key)  # already applied to the config
     kwargs["config"] = config
-    if path is None:  # Transformers' auto class needs a name; its model classes take None with a state_dict
+    if model_class is not None:
+        loaded = transformers_class(model_class).from_pretrained(path, *model_args, **kwargs)
+    elif path is None:  # Transformers' auto class needs a name; its model classes take None with a state_dict
         loaded = transformers.AutoModelForCausalLM._model_mapping[type(config)].from_pretrained(None, *model_args, **kwargs)
     else:
         loaded = transformers.AutoModelForCausalLM.from_pretrained(path, *model_args, **kwargs)
@@ -271,7 +337,7 @@ def _load_with_transformers(path, model_args, kwargs: dict[str, Any], config: Pr
     return loaded
 
 
-def _load_gguf_with_transformers(path, model_args, kwargs: dict[str, Any], options: MoetuneOptions):
+def _load_gguf_with_transformers(path, model_args, kwargs: dict[str, Any], options: MoetuneOptions, model_class: type | None):
     """A GGUF file holds its own config and quantized weights: Transformers' class reads and
     dequantizes it, as for the other quantizations moetune does not dequantize."""
     if options != MoetuneOptions():
@@ -284,7 +350,41 @@ def _load_gguf_with_transformers(path, model_args, kwargs: dict[str, Any], optio
         "dequantizes it). For moetune's implementation of an MoE architecture, save_pretrained the model and load that folder.",
         stacklevel=3,
     )
-    return transformers.AutoModelForCausalLM.from_pretrained(path, *model_args, **kwargs)
+    loader = transformers.AutoModelForCausalLM if model_class is None else transformers_class(model_class)
+    return loader.from_pretrained(path, *model_args, **kwargs)
+
+
+def transformers_class(model_class: type) -> type:
+    """The Transformers class a moetune model class subclasses (``Qwen3MoeForCausalLM`` for moetune's)."""
+    return next(base for base in model_class.__mro__ if base.__module__.startswith("transformers."))
+
+
+def _check_class_for_config(model_class: type | None, config: PretrainedConfig) -> None:
+    """A moetune class loads only a checkpoint of its own architecture (Transformers would build it
+    from another architecture's config and leave most of it as initialised)."""
+    if model_class is None:
+        return
+    family = family_of_class(model_class)
+    if family is None or family_for(config) is not family:
+        raise ValueError(
+            f"{model_class.__name__} cannot load a checkpoint of model_type {getattr(config, 'model_type', None)!r}; "
+            "moetune.AutoModelForCausalLM.from_pretrained picks the class for it"
+        )
+
+
+def tensors_for_class(tensors: dict[str, TensorInfo], family: ModelFamily, model_class: type) -> tuple[dict[str, TensorInfo], list[str]]:
+    """The checkpoint's tensors under ``model_class``'s names, as Transformers bridges a backbone's and a
+    causal LM's checkpoints by the backbone's attribute (``base_model_prefix``, ``model``): a backbone
+    reads a causal LM's ``model.*`` tensors without the prefix (the keys of the others, the head, are
+    returned to report), a causal LM reads a backbone's tensors with it. Same-class checkpoints as they are."""
+    layout, head = family.causal_lm.checkpoint_layout, f"{model_class.base_model_prefix}."
+    has_prefix = any(layout.canonical(key).startswith(head) for key in tensors)
+    if issubclass(model_class, family.base_model) and has_prefix:
+        inside = {layout.canonical(k)[len(head) :]: info for k, info in tensors.items() if layout.canonical(k).startswith(head)}
+        return inside, [k for k in tensors if not layout.canonical(k).startswith(head)]
+    if issubclass(model_class, family.causal_lm) and tensors and not has_prefix:
+        return {head + layout.canonical(k): info for k, info in tensors.items()}, []
+    return tensors, []
 
 
 def _attention_for(config: PretrainedConfig, family: ModelFamily) -> str:
@@ -438,7 +538,9 @@ def as_torch_dtype(dtype: Any, name: str = "dtype") -> torch.dtype | None:
 
 
 def resolve_device(device_map: Any, *, distributed: bool) -> torch.device:
-    """One device: moetune places an unsharded model on a single device (like ``device_map='cuda:0'``)."""
+    """One device: moetune places an unsharded model on a single device (like ``device_map='cuda:0'``);
+    without a ``device_map``, the device of a ``with torch.device(...)`` block or torch's default device,
+    as Transformers places it (the meta device is refused: loading is for existing weights)."""
     if distributed:
         if device_map not in (None, "auto"):
             raise ValueError("device_map cannot be combined with ep_size / device_mesh: each rank uses its own device")
@@ -446,7 +548,7 @@ def resolve_device(device_map: Any, *, distributed: bool) -> torch.device:
 
         return rank_device()
     if device_map is None:
-        return torch.device("cpu")
+        return _context_device()
     if device_map == "auto":
         return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if isinstance(device_map, dict):
@@ -465,6 +567,17 @@ def resolve_device(device_map: Any, *, distributed: bool) -> torch.device:
     if isinstance(device_map, int):
         return torch.device("cuda", device_map)
     return torch.device(device_map)
+
+
+def _context_device() -> torch.device:
+    device = torch.empty(0).device  # a `with torch.device(...)` block, else torch's default device
+    if device.type == "meta":
+        raise RuntimeError(
+            "You are using `from_pretrained` with a meta device context manager or `torch.set_default_device('meta')`"
+            " (Transformers' words): loading reads existing weights. For an empty model on the meta device, use "
+            "from_config (or the class) inside the block."
+        )
+    return device
 
 
 def _generation_config(folder: Path | None, model, explicit: GenerationConfig | None) -> GenerationConfig:
@@ -540,3 +653,9 @@ def _check_fallback_options(config: PretrainedConfig, options: MoetuneOptions) -
                 f"experts_backend applies to moetune's MoE models and to Transformers' MoE models that take an "
                 f"experts implementation; {getattr(config, 'model_type', '?')!r} takes none"
             )
+
+
+# The model classes' own from_pretrained (Qwen3MoeForCausalLM.from_pretrained, ...) loads through the
+# same function; they sit below this module, which hands it to them (moetune/models/pretrained.py).
+MoetunePreTrainedMixin.loader = staticmethod(load_pretrained)
+

@@ -83,7 +83,11 @@ ARGUMENTS: tuple[Argument, ...] = (
         "a PretrainedConfig, or a path / Hub id of one; leftover keyword arguments then override its fields",
     ),
     Argument("trust_remote_code", SUPPORTED, "for the config (moetune's model classes are its own, never remote code)"),
-    Argument("dtype", SUPPORTED, "None / 'auto': the config's dtype, else the checkpoint's; or a torch dtype or its name"),
+    Argument(
+        "dtype", SUPPORTED,
+        "None / 'auto': the config's dtype, else the checkpoint's; or a torch dtype or its name; the modules the class "
+        "names in _keep_in_fp32_modules (for fp16) and _keep_in_fp32_modules_strict (fp16, bf16) stay fp32, as in Transformers",
+    ),
     Argument("torch_dtype", SUPPORTED, "the old name of `dtype` (`dtype` wins when both are given)"),
     Argument("attn_implementation", SUPPORTED, "the attention the model runs (default: the family's)"),
     Argument(
@@ -112,7 +116,9 @@ ARGUMENTS: tuple[Argument, ...] = (
     # Where the model goes.
     Argument(
         "device_map", SUPPORTED,
-        "one device: a device, an int, 'auto' (cuda:0, else cpu) or a dict naming one device; " + _ONE_DEVICE,
+        "one device: a device, an int, 'auto' (cuda:0, else cpu) or a dict naming one device; left out, the device of "
+        "a `with torch.device(...)` block or torch's default device, as in Transformers (the meta device is a "
+        "RuntimeError, as in Transformers); " + _ONE_DEVICE,
     ),
     Argument("device_mesh", MOETUNE, "moetune's DeviceMesh for expert parallelism + FSDP2 (Transformers': tensor parallelism)"),
     Argument("max_memory", REFUSED, "a per-device memory budget for Accelerate's multi-device placement: " + _ONE_DEVICE),
@@ -153,7 +159,10 @@ ARGUMENTS: tuple[Argument, ...] = (
     ),
     Argument(
         "output_loading_info", SUPPORTED,
-        "also return Transformers' report: missing, unexpected and mismatched keys, error messages", (False,),
+        "also return Transformers' report: missing, unexpected and mismatched keys, error messages; asking for it takes "
+        "Transformers' semantics for what it reports: parameters the checkpoint lacks are initialised (with a warning) "
+        "and listed in missing_keys, tensors no parameter takes are listed in unexpected_keys. Without it either is a "
+        "ValueError naming the tensors (Transformers would only log them)", (False,),
     ),
     Argument("generation_config", SUPPORTED, "the model's generation config instead of the checkpoint's generation_config.json"),
     # Adapters and kernels.
@@ -304,9 +313,12 @@ def check_fusion_config(fusion_config: Any) -> None:
 EXPERTS_IMPLEMENTATIONS = {"eager": "loop", "grouped_mm": "auto"}
 
 
-def experts_backend_for(experts_implementation: str | None, experts_backend: str, model_type: str) -> str:
+def experts_backend_for(
+    experts_implementation: str | None, experts_backend: str, model_type: str, *, warn: bool = True
+) -> str:
     """The experts_backend a moetune model runs, given Transformers' ``experts_implementation`` and
-    moetune's ``experts_backend`` ('auto' when not given)."""
+    moetune's ``experts_backend`` ('auto' when not given). ``warn``: say so when the name is one of
+    Transformers' kernels for its own experts modules, which moetune's experts do not run."""
     from moetune.integrations import IMPLEMENTATION_NAME
 
     if experts_implementation is None or experts_implementation == IMPLEMENTATION_NAME:
@@ -326,12 +338,13 @@ def experts_backend_for(experts_implementation: str | None, experts_backend: str
             f"{sorted(known | set(EXPERTS_IMPLEMENTATIONS))}; moetune's {model_type} picks its experts kernel with "
             "experts_backend ('auto', 'grouped_mm', 'triton', 'quack', 'loop')"
         )
-    warnings.warn(
-        f"experts_implementation={experts_implementation!r} is a kernel for Transformers' experts modules; moetune's "
-        f"{model_type} runs its own experts with experts_backend={experts_backend!r} (the same results; pick another "
-        "kernel with experts_backend)",
-        stacklevel=3,
-    )
+    if warn:
+        warnings.warn(
+            f"experts_implementation={experts_implementation!r} is a kernel for Transformers' experts modules; moetune's "
+            f"{model_type} runs its own experts with experts_backend={experts_backend!r} (the same results; pick another "
+            "kernel with experts_backend)",
+            stacklevel=3,
+        )
     return experts_backend
 
 

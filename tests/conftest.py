@@ -38,13 +38,24 @@ def tiny_qwen3_moe_config(**overrides) -> transformers.Qwen3MoeConfig:
     return transformers.Qwen3MoeConfig(**settings)
 
 
-def tiny_family_config(family: str) -> transformers.PretrainedConfig:
+def tiny_family_config(family: str, **overrides) -> transformers.PretrainedConfig:
     """The tiny config of the parity tests of one of moetune's other families."""
     from tests.test_deepseek_v3_parity import tiny_deepseek_v3_config
     from tests.test_gpt_oss_parity import tiny_gpt_oss_config
     from tests.test_nemotron_h_parity import tiny_nemotron_h_config
 
-    return {"deepseek_v3": tiny_deepseek_v3_config, "gpt_oss": tiny_gpt_oss_config, "nemotron_h": tiny_nemotron_h_config}[family]()
+    return {"deepseek_v3": tiny_deepseek_v3_config, "gpt_oss": tiny_gpt_oss_config, "nemotron_h": tiny_nemotron_h_config}[family](**overrides)
+
+
+def family_reference(family: str, **overrides) -> transformers.PreTrainedModel:
+    """Transformers' causal LM of one of moetune's families on its parity tests' tiny config (seeded
+    fp32 weights, train mode)."""
+    if family == "qwen3_moe":
+        return seeded_reference(transformers.Qwen3MoeForCausalLM, tiny_qwen3_moe_config(**overrides))
+    from tests import test_deepseek_v3_parity, test_gpt_oss_parity, test_nemotron_h_parity
+
+    module = {"deepseek_v3": test_deepseek_v3_parity, "gpt_oss": test_gpt_oss_parity, "nemotron_h": test_nemotron_h_parity}
+    return module[family].reference(**overrides)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

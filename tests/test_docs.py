@@ -34,7 +34,6 @@ GUIDES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "ben
 NOT_YET_PRESENT = {
     "docs/trainer_and_trl.md",
     "docs/bad_inputs.md",
-    "docs/transformers_compatibility.md",
     "docs/fp8.md",
     "docs/planning.md",
 }

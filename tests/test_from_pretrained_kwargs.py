@@ -498,3 +498,48 @@ def test_save_and_reload_after_a_resize(checkpoint, tmp_path):
     for name, param in again.named_parameters():
         assert torch.equal(param, dict(model.named_parameters())[name]), name
         assert torch.equal(param, dict(plain.named_parameters())[name]), name
+
+
+def test_output_loading_info_takes_transformers_semantics_for_what_it_reports(reference_qwen3_moe, checkpoint):
+    """A caller who asks for Transformers' loading report gets what Transformers does with it: tensors the
+    checkpoint lacks are initialised (model's init) and listed in missing_keys, tensors no parameter takes are
+    listed in unexpected_keys, the rest loads. Without the report either stays a ValueError naming them."""
+    reference = reference_qwen3_moe()
+    state_dict = {**reference.state_dict(), "extra.weight": torch.ones(2)}
+    del state_dict["model.norm.weight"], state_dict["model.layers.0.mlp.experts.gate_up_proj"]
+    config = tiny_qwen3_moe_config()
+    with pytest.raises(ValueError, match=r"missing tensors \(17\): .*unexpected tensors \(1\): extra.weight"):
+        moetune.AutoModelForCausalLM.from_pretrained(None, config=config, state_dict=state_dict)
+    with pytest.warns(UserWarning, match="initialised afresh"):
+        model, info = moetune.AutoModelForCausalLM.from_pretrained(
+            None, config=config, state_dict=state_dict, output_loading_info=True
+        )
+    assert info["missing_keys"] == {"model.norm.weight", "model.layers.0.mlp.experts.gate_up_proj"}
+    assert info["unexpected_keys"] == {"extra.weight"}
+    assert torch.equal(model.model.norm.weight, torch.ones_like(model.model.norm.weight))  # RMSNorm's init
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    assert experts.abs().sum() > 0 and not torch.equal(experts, reference.model.layers[0].mlp.experts.gate_up_proj)
+    loaded = reference.model.layers[0].mlp.experts.down_proj
+    assert torch.equal(model.model.layers[0].mlp.experts.down_proj, loaded)
+
+
+def test_a_backbone_checkpoint_loads_into_the_causal_lm_under_its_prefix(reference_qwen3_moe, tmp_path):
+    """Transformers bridges a backbone's checkpoint and a causal LM by ``base_model_prefix``: the backbone's
+    tensors load under ``model.``; the head, which such a checkpoint lacks, is reported by name (an error,
+    or initialised with ``output_loading_info``)."""
+    reference = reference_qwen3_moe()
+    reference.model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"missing tensors \(1\): lm_head.weight"):
+        moetune.AutoModelForCausalLM.from_pretrained(tmp_path)
+    model, info = _quiet(moetune.AutoModelForCausalLM.from_pretrained, tmp_path, output_loading_info=True)
+    assert info["missing_keys"] == {"lm_head.weight"}
+    assert torch.equal(model.model.layers[0].mlp.experts.gate_up_proj, reference.model.layers[0].mlp.experts.gate_up_proj)
+
+
+def test_the_device_of_a_torch_device_block_places_the_model(checkpoint):
+    """Transformers' rule without a device_map: the model goes where a ``with torch.device(...)`` block says,
+    and the meta device is refused (loading is for existing weights)."""
+    with torch.device("meta"), pytest.raises(RuntimeError, match="meta device context manager"):
+        moetune.AutoModelForCausalLM.from_pretrained(checkpoint)
+    with torch.device("cpu"):
+        assert moetune.AutoModelForCausalLM.from_pretrained(checkpoint).device.type == "cpu"

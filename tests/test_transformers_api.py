@@ -12,22 +12,15 @@ import transformers
 
 import moetune
 from tests import test_deepseek_v3_parity, test_gpt_oss_parity, test_nemotron_h_parity
-from tests.conftest import parity_batch, rel_err, save_with_transformers, seeded_reference, tiny_qwen3_moe_config
+from tests.conftest import family_reference, parity_batch, rel_err, save_with_transformers, tiny_qwen3_moe_config
 
 TOL = 1e-5
 FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss", "nemotron_h"]
 
 
-def _reference(family: str, **overrides) -> transformers.PreTrainedModel:
-    if family == "qwen3_moe":
-        return seeded_reference(transformers.Qwen3MoeForCausalLM, tiny_qwen3_moe_config(**overrides))
-    module = {"deepseek_v3": test_deepseek_v3_parity, "gpt_oss": test_gpt_oss_parity, "nemotron_h": test_nemotron_h_parity}
-    return module[family].reference(**overrides)
-
-
 def _pair(family: str, tmp_path, **overrides):
     """(Transformers' model, moetune's) with the same weights, both as ``from_pretrained`` loads them."""
-    folder = save_with_transformers(_reference(family, **overrides), tmp_path)
+    folder = save_with_transformers(family_reference(family, **overrides), tmp_path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder)
     ours = moetune.AutoModelForCausalLM.from_pretrained(folder)
     assert type(ours).__module__.startswith("moetune.")

@@ -103,17 +103,26 @@ class CheckpointLayout:
                 return param, int(match["expert"]), match["part"]
         return None
 
+    def hub_name(self, name: str) -> str:
+        """The model's tensor name under the Hub's prefix (the reverse of ``canonical``'s prefix renames,
+        ``model.`` -> ``backbone.`` for Nemotron-H), as Transformers writes its original format."""
+        for old, new in self.renamed_prefixes:
+            if old.endswith(".") and new.endswith(".") and name.startswith(new):
+                return old + name[len(new) :]
+        return name
+
     def per_expert_tensors(self, name: str, tensor):
-        """Split fused parameter ``name`` into Hub per-expert tensors; other names pass through."""
+        """Split fused parameter ``name`` into Hub per-expert tensors, under the Hub's names (``hub_name``);
+        other tensors pass through under theirs."""
         for fused in self.fused_experts:
             suffix = f".{self.experts_module}.{fused.name}"
             if name.endswith(suffix):
-                prefix = name[: -len(fused.name) - 1]
+                prefix = self.hub_name(name[: -len(fused.name) - 1])
                 for expert in range(tensor.shape[0]):
                     for part, block in zip(fused.parts, tensor[expert].chunk(len(fused.parts), dim=0)):
                         yield f"{prefix}.{expert}.{part}", block.contiguous()
                 return
-        yield name, tensor
+        yield self.hub_name(name), tensor
 
     def hub_keys_for(self, name: str, shape: tuple[int, ...]) -> list[str]:
         """The per-expert Hub keys that together fill fused parameter ``name`` (for error messages)."""

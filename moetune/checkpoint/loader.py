@@ -86,6 +86,7 @@ def plan_checkpoint_load(
     unused: list[str] | None = None,
     num_checkpoint_layers: int | None = None,
     mismatched: list[tuple[str, torch.Size, torch.Size]] | None = None,
+    report: dict[str, set[str]] | None = None,
 ) -> list[LoadItem]:
     """The blocks to copy; raises naming every missing, unexpected or mis-shaped tensor.
 
@@ -100,7 +101,12 @@ def plan_checkpoint_load(
     ``mismatched``: when given, a parameter whose checkpoint shape differs from the model's (a
     resized vocabulary, other expert sizes, another number of experts) is not an error: it is listed
     there as Transformers' ``mismatched_keys`` lists it, ``(name, checkpoint shape, model shape)``
-    (per-expert tensors as the fused shape they stack to), and none of its tensors is read."""
+    (per-expert tensors as the fused shape they stack to), and none of its tensors is read.
+
+    ``report``: when given, missing and unexpected tensors are not an error either: the parameters
+    (and persistent buffers) the checkpoint does not fill completely go to ``report["missing"]``
+    (none of their tensors is read) and the checkpoint keys no parameter takes to
+    ``report["unexpected"]``, as Transformers' loading report lists them."""
     shapes = model_tensor_shapes(model)
     layer_indices = {i for i in map(_layer_index, shapes) if i is not None}
     num_layers = max(layer_indices) + 1 if layer_indices else None
@@ -173,8 +179,13 @@ def plan_checkpoint_load(
             if checkpoint_shape is None:
                 checkpoint_shape = _stacked_shape(layout, param, expert_shapes[param])
             mismatched.append((param, torch.Size(checkpoint_shape), torch.Size(shapes[param])))
+    unfilled = {name for name, shape in shapes.items() if name not in misfits and covered[name] != prod(shape)}
+    if report is not None:  # a missing tensor's parameter, not a quantized tensor's missing scales, is reported
+        report["missing"], report["unexpected"] = unfilled - reported, set(unexpected)
+        items = [item for item in items if item.region.param not in report["missing"]]
+        unexpected = []
     for name, shape in shapes.items():
-        if name in misfits or name in quantized_reported:
+        if name in misfits or name in quantized_reported or report is not None:
             continue
         if covered[name] != prod(shape) and not any(m.startswith(name) for m in missing):
             absent = [k for k in layout.hub_keys_for(name, shape) if k not in tensors]

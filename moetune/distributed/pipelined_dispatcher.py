@@ -49,7 +49,6 @@ experts, R = ep ranks, N = T*K routed rows, M rows a chunk receives.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from functools import partial
 
 import torch
@@ -95,7 +94,7 @@ class PipelinedExpertParallelDispatcher(ExpertParallelDispatcher):
         # One permutation for all chunks: the key (chunk, expert) puts each chunk's rows together, sorted
         # by expert as permute() sorts one chunk's; one unpermute at the end undoes it.
         chunk_T = chunk_of_tokens(x_TH.shape[0], num_chunks, device=x_TH.device)
-        keyed = replace(routing, experts_TK=routing.experts_TK + num_experts * chunk_T[:, None])
+        keyed = routing._replace(experts_TK=routing.experts_TK + num_experts * chunk_T[:, None])
         x_NH, counts, local = permute(x_TH, keyed, num_experts=num_chunks * num_experts)
         recv_counts_CRL, send_splits, recv_splits = exchange_counts(
             counts.view(num_chunks, num_experts), ep_size=ep, group=self.group

@@ -6,73 +6,42 @@
   also switches to Transformers' own loss path.
 - The aux loss: router logits are captured from moetune's routers and fed to the same
   load-balancing loss as Transformers'.
-- Weight init for moetune's MoE modules, so ``from_config`` gives Transformers' init scheme.
+- The backbone's forward keeps the signature of its Transformers parent (code that inspects it, as
+  ``generate`` and Transformers' tests do, finds the same arguments).
+- What both classes share (loading through moetune's loader, the experts-implementation API, weight
+  init, saving): ``moetune.models.pretrained``.
 
 The inner base model's forward (masks, KV cache, RoPE, decoder loop) stays Transformers' own,
 which keeps ``generate`` and every cache type working across Transformers versions, except for
 the plain causal case (see ``MoetuneBaseModelMixin``).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the forwards' annotations stay types, which Transformers'
+# tests read (`forward.__annotations__["return"]`) to learn what a model returns.
 
-import os
-import tempfile
-from pathlib import Path
+import inspect
 
 import torch
-from transformers.modeling_outputs import (
-    MoeCausalLMOutputWithPast,
-    MoeModelOutputWithPast,
-)
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.utils import TransformersKwargs
+from transformers.utils.output_capturing import OutputRecorder
+from typing_extensions import Unpack
 
-from moetune.checkpoint import SWIGLU_EXPERTS, CheckpointLayout, save_hf_checkpoint
-from moetune.checkpoint.loader import load_per_expert_tensors
 from moetune.layers import lm_head_cross_entropy, shift_labels_for_causal_lm
 from moetune.layers.document_attention import OFFSETS_KEY
-from moetune.moe import (
-    ROUTERS,
-    GroupedExperts,
-    GroupLimitedSigmoidRouter,
-    TopKThenSoftmaxRouter,
-    capture_router_logits,
-    load_balancing_loss,
-)
+from moetune.models.pretrained import MoetunePreTrainedMixin
+from moetune.moe import ROUTERS, capture_router_logits, load_balancing_loss
 from moetune.training.graphed_backbone import LABELS_KEY, ScoredLabels, training_graphs
-
-try:  # Transformers >= 5.0 records which tensors were initialised, so loading can skip them.
-    from transformers import initialization as hf_init
-except ImportError:  # pragma: no cover
-    hf_init = torch.nn.init
 
 # Transformers 5.24 renamed the cache field of model outputs from `past_key_values` to `cache`.
 _CACHE_FIELD = "cache" if "cache" in MoeCausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-class MoetuneInitMixin:
-    """``_init_weights`` for moetune's MoE modules (same distributions as Transformers')."""
-
-    def _init_weights(self, module: torch.nn.Module) -> None:
-        super()._init_weights(module)
-        std = self.config.initializer_range
-        if isinstance(module, GroupedExperts):
-            hf_init.normal_(module.in_proj, mean=0.0, std=std)
-            hf_init.normal_(module.down_proj, mean=0.0, std=std)
-            if module.has_bias:
-                hf_init.zeros_(getattr(module, f"{module._in_name}_bias"))
-                hf_init.zeros_(module.down_proj_bias)
-        elif isinstance(module, ROUTERS):
-            hf_init.normal_(module.weight, mean=0.0, std=std)
-            if isinstance(module, GroupLimitedSigmoidRouter):
-                hf_init.zeros_(module.e_score_correction_bias)
-            elif isinstance(module, TopKThenSoftmaxRouter):
-                hf_init.normal_(module.bias, mean=0.0, std=std)
 
 
 # Attention implementations for which "no mask" means causal attention (SDPA's is_causal).
 _IS_CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 
-class MoetuneBaseModelMixin(MoetuneInitMixin):
+class MoetuneBaseModelMixin(MoetunePreTrainedMixin):
     """The inner (decoder-only) model's forward returns moetune's router logits in
     ``router_logits`` when asked (``output_router_logits`` or the config's default), as
     Transformers' MoE base models do: callers that run the backbone themselves (TRL's fused
@@ -121,7 +90,12 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
         self.rotary_emb = rotary_cls(config=config)
         self.gradient_checkpointing = False
 
-    def forward(self, *args, output_router_logits: bool | None = None, return_dict: bool | None = None, **kwargs):
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "forward" not in vars(cls):
+            cls.forward = _forward_with_signature_of(_transformers_parent(cls))
+
+    def _moetune_forward(self, *, output_router_logits: bool | None = None, return_dict: bool | None = None, **kwargs):
         if output_router_logits is None:
             output_router_logits = bool(getattr(self.config, "output_router_logits", False))
         if return_dict is None:  # Transformers' can_return_tuple: the config's return_dict by default
@@ -130,31 +104,33 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
         kwargs["return_dict"] = True
         labels = kwargs.pop(LABELS_KEY, None)  # the causal LM's targets, so that padding is checked against them
         outputs = None
-        graphs = training_graphs(self) if not args else None
+        graphs = training_graphs(self)
         if graphs is not None:  # a training step on CUDA: replayed from CUDA graphs where that is exact
             outputs = graphs.run(kwargs, output_router_logits=output_router_logits, forward=self._eager_outputs,
                                  labels=labels)  # fmt: skip
         if outputs is None:
-            outputs = self._eager_outputs(kwargs, output_router_logits, *args)
+            outputs = self._eager_outputs(kwargs, output_router_logits)
         return outputs if return_dict else outputs.to_tuple()
 
-    def _eager_outputs(self, kwargs: dict, output_router_logits: bool, *args):
+    def _eager_outputs(self, kwargs: dict, output_router_logits: bool):
         if not output_router_logits:
-            return self._backbone_forward(*args, **kwargs)
+            return self._backbone_forward(**kwargs)
         with capture_router_logits(self, ROUTERS) as router_logits:
-            outputs = self._backbone_forward(*args, **kwargs)
+            outputs = self._backbone_forward(**kwargs)
         # By key: a field that was None is missing from the output's keys, which to_tuple reads.
         outputs["router_logits"] = tuple(router_logits)
         return outputs
 
-    def _backbone_forward(self, *args, **kwargs):
-        if args or not self._is_plain_causal(kwargs):
+    def _backbone_forward(self, **kwargs):
+        if not self._is_plain_causal(kwargs):
             if self.training and kwargs.get("past_key_values") is None and kwargs.get("cache") is None:
                 # A training forward needs no KV cache (Transformers builds one whenever
                 # config.use_cache is on; its hybrid Nemotron-H cache even fails when layer 0 holds
                 # no attention or Mamba state). A caller's explicit use_cache still wins.
                 kwargs.setdefault("use_cache", False)
-            return super().forward(*args, **kwargs)
+            # moetune's capture (in _eager_outputs) reports the router logits: Transformers' own
+            # recording of them (this class's _can_record_outputs) stays off.
+            return super().forward(output_router_logits=False, **kwargs)
         input_ids, inputs_embeds = kwargs.pop("input_ids", None), kwargs.pop("inputs_embeds", None)
         position_ids = kwargs.pop("position_ids", None)  # only with document offsets (packed rows)
         for name in ("attention_mask", "cache", "past_key_values", "use_cache", "return_dict"):
@@ -204,12 +180,11 @@ class MoetuneBaseModelMixin(MoetuneInitMixin):
         )
 
 
-class MoetuneCausalLMMixin(MoetuneInitMixin):
+class MoetuneCausalLMMixin(MoetunePreTrainedMixin):
     """Forward with the fused LM-head loss and the aux loss, and a streaming, shard-aware
     ``save_pretrained``; put it first among the bases."""
 
     return_logits_in_training: bool = False
-    checkpoint_layout: CheckpointLayout = SWIGLU_EXPERTS
     computes_aux_loss: bool = True
     """Whether the loss adds ``router_aux_loss_coef`` x the load-balancing loss when router logits
     are requested (Transformers' Mixtral-style models); DeepSeek-V3 has none (its routers balance
@@ -222,92 +197,6 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
         self.model = base_model_cls(config)
         self.vocab_size = config.vocab_size
         self.lm_head = torch.nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """torch's ``load_state_dict``, also taking the experts in the Hub's per-expert layout, which
-        ``save_pretrained`` writes by default: Trainer's ``resume_from_checkpoint`` and
-        ``load_best_model_at_end`` read a checkpoint's safetensors back through this method, and
-        would otherwise leave every expert weight as it was (Transformers v5's own MoE models do,
-        with a missing-keys warning)."""
-        loaded = load_per_expert_tensors(self, state_dict, self.checkpoint_layout)
-        if loaded is None:
-            return super().load_state_dict(state_dict, strict=strict, assign=assign)
-        rest, filled = loaded
-        parameters = dict(self.named_parameters())
-        # The filled parameters hold their new values already; loading them onto themselves keeps
-        # torch's own missing / unexpected accounting (and strict's error) for everything else.
-        rest.update({name: parameters[name] for name in filled})
-        return super().load_state_dict(rest, strict=strict, assign=assign)
-
-    def save_pretrained(
-        self,
-        save_directory: str | os.PathLike,
-        is_main_process: bool | None = None,
-        state_dict: dict | None = None,
-        push_to_hub: bool = False,
-        max_shard_size: int | str = "50GB",
-        variant: str | None = None,
-        save_original_format: bool = True,
-        **kwargs,
-    ):
-        """Like Transformers': per-expert Hub layout by default, fused with ``save_original_format=False``;
-        ``variant`` names the weight files ``model.<variant>.safetensors`` (or its shards and
-        ``model.safetensors.index.<variant>.json``), which ``from_pretrained(variant=...)`` loads;
-        with ``push_to_hub`` the main process returns the upload's commit info.
-
-        Under FSDP2 / expert parallelism (a model moetune sharded) every rank must call it (tensors are
-        gathered one by one); only ``is_main_process`` writes and pushes, by default global rank 0
-        (Transformers' default, True, would have every rank write the same files).
-        """
-        if is_main_process is None:
-            is_main_process = _is_main_rank(self)
-        save_hf_checkpoint(
-            self,
-            save_directory,
-            layout=self.checkpoint_layout,
-            per_expert=save_original_format,
-            max_shard_size=max_shard_size,
-            is_main_process=is_main_process,
-            state_dict=state_dict,
-            variant=variant,
-        )
-        if push_to_hub and is_main_process:
-            from huggingface_hub import HfApi
-
-            # Transformers' rule: the folder's name unless repo_id says otherwise; create_repo returns
-            # the full "namespace/name" id, which the upload needs.
-            repo_id = kwargs.pop("repo_id", None) or Path(save_directory).name
-            api = HfApi(token=kwargs.pop("token", None))
-            repo_id = api.create_repo(repo_id, private=kwargs.pop("private", None), exist_ok=True).repo_id
-            return api.upload_folder(
-                repo_id=repo_id, folder_path=save_directory, commit_message=kwargs.pop("commit_message", None),
-                commit_description=kwargs.pop("commit_description", None), revision=kwargs.pop("revision", None),
-                create_pr=kwargs.pop("create_pr", False),
-            )  # fmt: skip
-        return None
-
-    def push_to_hub(self, repo_id: str, *args, **kwargs):
-        """Transformers' ``push_to_hub``; for a model moetune sharded, a collective: every rank calls it,
-        every rank takes part in gathering the tensors, and global rank 0 writes the checkpoint to a
-        temporary folder and uploads it (Transformers' version would have each rank save and upload,
-        and deadlock when only rank 0 calls it). Options by keyword: ``commit_message``,
-        ``commit_description``, ``private``, ``token``, ``revision``, ``create_pr``, ``max_shard_size``."""
-        from moetune.distributed.mesh import is_sharded_by_moetune
-
-        if not is_sharded_by_moetune(self):
-            return super().push_to_hub(repo_id, *args, **kwargs)
-        if args:
-            raise TypeError("push_to_hub on a model moetune sharded: pass the options after repo_id by keyword")
-        supported = {"commit_message", "commit_description", "private", "token", "revision", "create_pr", "max_shard_size"}
-        unsupported = sorted(k for k, v in kwargs.items() if k not in supported and v is not None)
-        if unsupported:
-            raise ValueError(
-                f"push_to_hub on a model moetune sharded does not take {unsupported} (supported: {sorted(supported)}); "
-                "add model-card tags on the Hub, or push a checkpoint loaded without ep_size / device_mesh"
-            )
-        kwargs = {k: v for k, v in kwargs.items() if k in supported}
-        with tempfile.TemporaryDirectory(prefix="moetune-push-") as folder:
-            return self.save_pretrained(folder, push_to_hub=True, repo_id=repo_id, **kwargs)
 
     def forward(
         self,
@@ -326,8 +215,8 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
         logits_to_keep: int | torch.Tensor = 0,
         return_logits: bool | None = None,
         return_dict: bool | None = None,
-        **kwargs,
-    ):
+        **kwargs: Unpack[TransformersKwargs],  # what Transformers reads to learn which flags it takes
+    ) -> MoeCausalLMOutputWithPast | tuple:
         if output_router_logits is None:
             output_router_logits = bool(getattr(self.config, "output_router_logits", False))
         if return_dict is None:  # Transformers' can_return_tuple: the config's return_dict by default
@@ -402,11 +291,46 @@ class MoetuneCausalLMMixin(MoetuneInitMixin):
         return output if return_dict else output.to_tuple()
 
 
-def _is_main_rank(model: torch.nn.Module) -> bool:
-    """Who writes a checkpoint by default: global rank 0 for a model moetune sharded (every rank calls
-    ``save_pretrained`` to gather it), the caller otherwise (Transformers' default)."""
-    import torch.distributed as dist
+def _transformers_parent(cls: type) -> type:
+    """The Transformers class ``cls`` subclasses (the first in its MRO)."""
+    return next(base for base in cls.__mro__ if base.__module__.startswith("transformers."))
 
-    from moetune.distributed.mesh import is_sharded_by_moetune
 
-    return not (is_sharded_by_moetune(model) and dist.is_initialized()) or dist.get_rank() == 0
+def _forward_with_signature_of(parent: type):
+    """``MoetuneBaseModelMixin._moetune_forward`` as the ``forward`` of a backbone whose Transformers class
+    is ``parent``: positional arguments are taken in ``parent.forward``'s order, and its signature and
+    annotations are what ``inspect`` reports (``generate`` and Transformers' tests read them to learn
+    what a model takes and returns), plus ``output_router_logits`` and ``return_dict``."""
+    theirs = inspect.signature(parent.forward)
+    parameters = list(theirs.parameters.values())
+    positional = [p.name for p in parameters[1:] if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    variadic = [p for p in parameters if p.kind is p.VAR_KEYWORD]
+    named = [p for p in parameters if p.kind is not p.VAR_KEYWORD]
+    extra = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=bool | None)
+        for name in ("output_router_logits", "return_dict")
+        if name not in theirs.parameters
+    ]
+
+    def forward(self, *args, **kwargs):
+        if len(args) > len(positional):
+            raise TypeError(f"{type(self).__name__}.forward takes {len(positional)} positional arguments, got {len(args)}")
+        for name, value in zip(positional, args):  # a plain loop, which torch.compile traces
+            if name in kwargs:
+                raise TypeError(f"{type(self).__name__}.forward got multiple values for argument {name!r}")
+            kwargs[name] = value
+        return MoetuneBaseModelMixin._moetune_forward(self, **kwargs)
+
+    forward.__signature__ = theirs.replace(parameters=named + extra + variadic)
+    forward.__annotations__ = dict(getattr(parent.forward, "__annotations__", {}))
+    forward.__doc__ = parent.forward.__doc__
+    forward.__qualname__ = f"{parent.__name__}.forward"
+    return forward
+
+
+def router_logits_recorded_from(parent: type, router_class: type) -> dict:
+    """``parent``'s ``_can_record_outputs`` (hidden states, attentions) with ``router_logits`` read from
+    moetune's ``router_class`` (the logits are the first field of the ``Routing`` it returns), as
+    Transformers declares them for its own routers."""
+    return {**(parent._can_record_outputs or {}), "router_logits": OutputRecorder(router_class, index=0)}
+

@@ -288,6 +288,13 @@ def run_experts(
     if gather_order is not None:
         num_valid = tokens_per_expert_E.sum().reshape(1)
         x = moe_permute(x, gather_order, gather_top_k, num_valid=num_valid)
+    if torch.compiler.is_compiling():
+        # torch.compile (Transformers' compiled generation: fullgraph, static shapes) cannot trace the
+        # loop below, which sizes its splits from the counts read on the host.
+        return _experts_with_gathered_weights(
+            x, tokens_per_expert_E, in_proj, down_proj, activate=activate, in_bias=in_bias, down_bias=down_bias,
+            in_adapter=in_adapter, down_adapter=down_adapter,
+        )  # fmt: skip
     # One host sync for the split sizes; used on CPU and as the reference path.
     counts = tokens_per_expert_E.tolist()
 
@@ -312,6 +319,42 @@ def run_experts(
         weights = [t for t in (in_proj, down_proj, in_bias, down_bias, *adapters) if t is not None]
         outputs.append(zeros + 0 * (sum(t.sum() for t in weights) + padding_NH.sum()))
     return torch.cat(outputs)
+
+
+def _experts_with_gathered_weights(
+    x_NH: torch.Tensor,
+    tokens_per_expert_E: torch.Tensor,
+    in_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    activate,
+    in_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    in_adapter: ExpertAdapter | None,
+    down_adapter: ExpertAdapter | None,
+) -> torch.Tensor:
+    """``run_experts``' loop with no shape that depends on the counts: each row is multiplied by its own
+    expert's weights, gathered per row (Transformers' ``batched_mm`` experts do the same), padding rows
+    (past ``tokens_per_expert_E.sum()``) give zeros. The compiled path where no grouped GEMM runs: it
+    reads the weights once per row, right for decoding's few rows, not for long compiled prefills on CPU."""
+    num_experts = in_proj.shape[0]
+    rows_N = torch.arange(x_NH.shape[0], device=x_NH.device)
+    expert_N = torch.searchsorted(torch.cumsum(tokens_per_expert_E, dim=0), rows_N, right=True)
+    valid_N1 = (expert_N < num_experts).unsqueeze(-1)
+    expert_N = expert_N.clamp(max=num_experts - 1)
+
+    def linear(rows, weight_EOI, bias_EO, adapter):
+        out = torch.bmm(weight_EOI[expert_N], rows.unsqueeze(-1)).squeeze(-1)
+        if bias_EO is not None:
+            out = out + bias_EO[expert_N]
+        if adapter is not None:
+            low_rank = torch.bmm(adapter.a_ERI[expert_N], rows.unsqueeze(-1))
+            out = out + adapter.scaling * torch.bmm(adapter.b_EOR[expert_N], low_rank).squeeze(-1)
+        return out
+
+    h_NX = linear(x_NH.to(in_proj.dtype), in_proj, in_bias, in_adapter)
+    y_NH = linear(activate(h_NX).to(h_NX.dtype), down_proj, down_bias, down_adapter)
+    return torch.where(valid_N1, y_NH, torch.zeros_like(y_NH))
 
 
 def _cast_adapter(adapter: ExpertAdapter, dtype: torch.dtype) -> ExpertAdapter:

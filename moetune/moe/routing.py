@@ -5,7 +5,7 @@ Shape legend: T tokens, H hidden size, E routed experts, K experts per token (to
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -14,9 +14,10 @@ from torch import nn
 from moetune.kernels.router import softmax_topk
 
 
-@dataclass
-class Routing:
-    """The router's decision for a flat batch of tokens."""
+class Routing(NamedTuple):
+    """The router's decision for a flat batch of tokens. A tuple whose first field is the logits, as
+    Transformers' routers return them first: its output recording (``_can_record_outputs``'s
+    ``router_logits``, index 0) reads moetune's routers as it reads its own."""
 
     logits_TE: torch.Tensor
     """Raw router logits (model dtype); the aux loss and expert-load metrics read them."""

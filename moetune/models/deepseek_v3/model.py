@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
@@ -27,7 +28,7 @@ from moetune.layers.document_attention import (
     pop_documents,
 )
 from moetune.layers.gated_mlp import gated_mlp
-from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
+from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin, router_logits_recorded_from
 from moetune.moe import GroupedExperts, GroupLimitedSigmoidRouter, MoEBlock
 
 CHECKPOINT_LAYOUT = CheckpointLayout(
@@ -143,6 +144,8 @@ class DeepseekV3DecoderLayer(hf.DeepseekV3DecoderLayer):
 
 class DeepseekV3Model(MoetuneBaseModelMixin, hf.DeepseekV3Model):
     takes_document_offsets = True
+    checkpoint_layout = CHECKPOINT_LAYOUT
+    _can_record_outputs = router_logits_recorded_from(hf.DeepseekV3Model, GroupLimitedSigmoidRouter)
 
     def __init__(self, config) -> None:
         self._init_decoder_backbone(
@@ -155,10 +158,12 @@ class DeepseekV3Model(MoetuneBaseModelMixin, hf.DeepseekV3Model):
         self.post_init()
 
 
-class DeepseekV3ForCausalLM(MoetuneCausalLMMixin, hf.DeepseekV3ForCausalLM):
-    """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable."""
+class DeepseekV3ForCausalLM(MoetuneCausalLMMixin, hf.DeepseekV3ForCausalLM, GenerationMixin):
+    """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable;
+    ``GenerationMixin`` a direct base, as Transformers' generative classes have it."""
 
     checkpoint_layout = CHECKPOINT_LAYOUT
+    _can_record_outputs = DeepseekV3Model._can_record_outputs
     computes_aux_loss = False
 
     def __init__(self, config) -> None:

@@ -16,6 +16,7 @@ sinks folded in on CUDA: no [heads, S, S] scores), with RoPE applied to q and k 
 from __future__ import annotations
 
 import torch
+from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.models.gpt_oss import modeling_gpt_oss as hf
 
@@ -23,7 +24,7 @@ from moetune.checkpoint import CheckpointLayout
 from moetune.kernels import RMSNorm, apply_rope
 from moetune.layers.document_attention import has_cache, pop_documents
 from moetune.layers.sink_attention import sink_attention
-from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
+from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin, router_logits_recorded_from
 from moetune.moe import GroupedExperts, MoEBlock, TopKThenSoftmaxRouter
 
 
@@ -96,9 +97,14 @@ class GptOssDecoderLayer(hf.GptOssDecoderLayer):
         self.post_attention_layernorm = gpt_oss_rms_norm(config.hidden_size, eps=config.rms_norm_eps)
 
 
+CHECKPOINT_LAYOUT = CheckpointLayout(mxfp4_experts=True)  # experts stored fused on the Hub, MXFP4 or bf16
+
+
 class GptOssModel(MoetuneBaseModelMixin, hf.GptOssModel):
     attention_masks_itself = True
     takes_document_offsets = True
+    checkpoint_layout = CHECKPOINT_LAYOUT
+    _can_record_outputs = router_logits_recorded_from(hf.GptOssModel, TopKThenSoftmaxRouter)
 
     def __init__(self, config) -> None:
         self._init_decoder_backbone(
@@ -111,10 +117,12 @@ class GptOssModel(MoetuneBaseModelMixin, hf.GptOssModel):
         self.post_init()
 
 
-class GptOssForCausalLM(MoetuneCausalLMMixin, hf.GptOssForCausalLM):
-    """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable."""
+class GptOssForCausalLM(MoetuneCausalLMMixin, hf.GptOssForCausalLM, GenerationMixin):
+    """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable;
+    ``GenerationMixin`` a direct base, as Transformers' generative classes have it."""
 
-    checkpoint_layout = CheckpointLayout(mxfp4_experts=True)  # experts stored fused on the Hub, MXFP4 or bf16
+    checkpoint_layout = CHECKPOINT_LAYOUT
+    _can_record_outputs = GptOssModel._can_record_outputs
 
     def __init__(self, config) -> None:
         self._init_decoder_lm(config, hf.GptOssPreTrainedModel, GptOssModel)

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.generation import GenerationMixin
 from transformers.models.nemotron_h import modeling_nemotron_h as hf
 
 from moetune.checkpoint import CheckpointLayout, FusedExpertParam
 from moetune.kernels import RMSNorm
 from moetune.layers.document_attention import document_causal_attention, has_cache, pop_documents
 from moetune.layers.mamba2 import causal_conv1d, chunked_scan, document_ids, gated_rms_norm, zero_padding
-from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
+from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin, router_logits_recorded_from
 from moetune.models.deepseek_v3.model import build_router
-from moetune.moe import GroupedExperts, MoEBlock
+from moetune.moe import GroupedExperts, GroupLimitedSigmoidRouter, MoEBlock
 
 CHECKPOINT_LAYOUT = CheckpointLayout(
     fused_experts=(
@@ -171,6 +172,8 @@ def nemotron_h_rms_norm(config) -> RMSNorm:
 class NemotronHModel(MoetuneBaseModelMixin, hf.NemotronHModel):
     takes_document_offsets = True
     embedding_name, final_norm_name = "embeddings", "norm_f"
+    checkpoint_layout = CHECKPOINT_LAYOUT
+    _can_record_outputs = router_logits_recorded_from(hf.NemotronHModel, GroupLimitedSigmoidRouter)
 
     def __init__(self, config) -> None:
         hf.NemotronHPreTrainedModel.__init__(self, config)
@@ -180,8 +183,9 @@ class NemotronHModel(MoetuneBaseModelMixin, hf.NemotronHModel):
         self.post_init()
 
 
-class NemotronHForCausalLM(MoetuneCausalLMMixin, hf.NemotronHForCausalLM):
-    """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable."""
+class NemotronHForCausalLM(MoetuneCausalLMMixin, hf.NemotronHForCausalLM, GenerationMixin):
+    """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable;
+    ``GenerationMixin`` a direct base, as Transformers' generative classes have it."""
 
     keeps_packed_documents_apart = True
     """Packed rows' documents stay apart in the Mamba-2 layers too (see NemotronHBlock): given their
@@ -190,6 +194,7 @@ class NemotronHForCausalLM(MoetuneCausalLMMixin, hf.NemotronHForCausalLM):
 
     checkpoint_layout = CHECKPOINT_LAYOUT
     computes_aux_loss = False
+    _can_record_outputs = NemotronHModel._can_record_outputs
 
     def __init__(self, config) -> None:
         self._init_decoder_lm(config, hf.NemotronHPreTrainedModel, NemotronHModel)

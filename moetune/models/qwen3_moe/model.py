@@ -6,6 +6,7 @@ are Transformers' own; only the sparse block (and, on GPU, the fused norms) are 
 
 from __future__ import annotations
 
+from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
@@ -14,7 +15,7 @@ from moetune.kernels import RMSNorm, apply_rope
 from moetune.kernels.qk_norm_rope import qk_norm_rope
 from moetune.layers.document_attention import document_causal_attention, pop_documents
 from moetune.layers.gated_mlp import gated_mlp
-from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin
+from moetune.models.causal_lm import MoetuneBaseModelMixin, MoetuneCausalLMMixin, router_logits_recorded_from
 from moetune.moe import GroupedExperts, MoEBlock, SoftmaxTopKRouter
 
 
@@ -120,6 +121,7 @@ class Qwen3MoeDecoderLayer(hf.Qwen3MoeDecoderLayer):
 
 class Qwen3MoeModel(MoetuneBaseModelMixin, hf.Qwen3MoeModel):
     takes_document_offsets = True
+    _can_record_outputs = router_logits_recorded_from(hf.Qwen3MoeModel, SoftmaxTopKRouter)
     def __init__(self, config) -> None:
         self._init_decoder_backbone(
             config,
@@ -131,8 +133,11 @@ class Qwen3MoeModel(MoetuneBaseModelMixin, hf.Qwen3MoeModel):
         self.post_init()
 
 
-class Qwen3MoeForCausalLM(MoetuneCausalLMMixin, hf.Qwen3MoeForCausalLM):
-    """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable."""
+class Qwen3MoeForCausalLM(MoetuneCausalLMMixin, hf.Qwen3MoeForCausalLM, GenerationMixin):
+    """Same class name as Transformers', so ``config.architectures`` in saved checkpoints stays loadable;
+    ``GenerationMixin`` a direct base, as Transformers' generative classes have it."""
+
+    _can_record_outputs = Qwen3MoeModel._can_record_outputs
 
     def __init__(self, config) -> None:
         self._init_decoder_lm(config, hf.Qwen3MoePreTrainedModel, Qwen3MoeModel)
