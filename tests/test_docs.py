@@ -29,14 +29,6 @@ from moetune.recipe.config_loading import all_keys, load_config
 ROOT = Path(__file__).resolve().parent.parent
 GUIDES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]
 
-# Guides written in other branches and linked from README.md before they are merged; this list goes
-# once they are.
-NOT_YET_PRESENT = {
-    "docs/trainer_and_trl.md",
-    "docs/bad_inputs.md",
-    "docs/fp8.md",
-    "docs/planning.md",
-}
 CONFIG_SECTIONS = ("model", "data", "optim", "training", "checkpoint", "metrics", "lora", "distributed")
 REPO_PREFIXES = ("moetune/", "tests/", "benchmarks/", "examples/", "docs/", "scripts/")
 FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.S | re.M)
@@ -239,15 +231,9 @@ def test_every_relative_link_resolves():
     for path in [*markdown, *(p for p in GUIDES if p not in markdown)]:
         for target in _link_targets(path):
             resolved = (path.parent / target.split("#")[0]).resolve()
-            relative = resolved.relative_to(ROOT).as_posix() if resolved.is_relative_to(ROOT) else str(resolved)
-            if not resolved.exists() and relative not in NOT_YET_PRESENT:
+            if not resolved.exists():
                 broken.append(f"{path.relative_to(ROOT)}: {target}")
     assert not broken, "links to nothing:\n" + "\n".join(broken)
-
-
-def test_guides_not_yet_merged_are_linked_from_the_readme():
-    readme_links = {(ROOT / t.split("#")[0]).resolve() for t in _link_targets(ROOT / "README.md")}
-    assert {(ROOT / name).resolve() for name in NOT_YET_PRESENT} <= readme_links
 
 
 def test_quoted_repository_paths_exist():
@@ -256,7 +242,7 @@ def test_quoted_repository_paths_exist():
         for span in INLINE_CODE.findall(_prose(path.read_text())):
             candidate = span.split("::")[0]
             if candidate.startswith(REPO_PREFIXES) and not re.search(r"[\s<*{]", candidate):
-                if not (ROOT / candidate).exists() and candidate not in NOT_YET_PRESENT:
+                if not (ROOT / candidate).exists():
                     missing.append(f"{path.relative_to(ROOT)}: `{span}`")
     assert not missing, "paths that do not exist:\n" + "\n".join(missing)
 

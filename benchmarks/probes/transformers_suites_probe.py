@@ -80,7 +80,7 @@ def _substitute_in_class(cls: type, mapping: dict[type, type]) -> None:
 # ---------------------------------------------------------------- the pytest plugin
 
 
-def pytest_collection_modifyitems(session, config, items) -> None:
+def pytest_collection_modifyitems(config, items) -> None:
     if os.environ.get(SUBSTITUTE_ENV) != "1":
         return
     import moetune
