@@ -82,6 +82,9 @@ def test_every_script_trains_alike_with_both_imports(compare, tmp_path, padded_p
         assert entry["speedup_median"] > 0
     kinds = {plan.key[0] for plan in padded_plans if plan is not None}
     assert kinds == {"rows", "documents"} and len(padded_plans) >= 6 * 3
+    # Every batch the collators made took the graphs' path: TRL's packed rows too, whose position_ids
+    # come without the documents' offsets under SDPA.
+    assert None not in padded_plans
     padded = report["scripts"]["sft_padded"]["sides"]["moetune"]["tokens"]
     packed = report["scripts"]["sft_padding_free"]["sides"]["moetune"]["tokens"]
     assert max(padded) <= 2 * 40 and max(packed) <= 2 * 40  # real tokens only: pads are not counted
