@@ -5,12 +5,19 @@ without preparing a mask."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 import moetune
-from moetune.layers.document_attention import document_causal_attention, document_causal_mask, document_offsets
-from tests.conftest import check_fused_loss_and_gradients, forbid_qwen3_mask_preparation, rel_err
+from moetune.layers.document_attention import (
+    document_causal_attention,
+    document_causal_mask,
+    document_offsets,
+    offsets_from_positions,
+)
+from tests.conftest import check_fused_loss_and_gradients, family_reference, forbid_qwen3_mask_preparation, rel_err
 
 TOL = 1e-5
 LENGTHS = [[5, 9, 2], [16], [1, 3, 12]]  # three rows of 16 tokens
@@ -87,6 +94,43 @@ def test_qwen3_moe_with_offsets_equals_transformers_packed(reference_qwen3_moe, 
     assert rel_err(got.loss, expected.loss) < TOL
     assert rel_err(got.aux_loss, expected.aux_loss) < TOL
     check_fused_loss_and_gradients(ours, ref, expected.loss, TOL, **inputs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "nemotron_h"])
+def test_packed_positions_alone_keep_the_documents_apart(family, tmp_path, monkeypatch):
+    """Packed rows given by their position_ids alone (TRL's packing under SDPA): moetune finds the
+    documents in the positions and runs each as if it were alone, which is what Transformers' model
+    gives on every document separately. (Transformers' own packed path agrees for Qwen3-MoE,
+    DeepSeek-V3 and Nemotron-H; its GPT-OSS lets the documents attend to each other.)"""
+    from moetune.models import causal_lm
+
+    found = []
+    monkeypatch.setattr(causal_lm, "offsets_from_positions", lambda p: found.append(offsets_from_positions(p)) or found[-1])
+    ref = family_reference(family)
+    ref.config.use_cache = False
+    ref.save_pretrained(tmp_path, save_original_format=False)
+    ours = moetune.AutoModelForCausalLM.from_pretrained(tmp_path)
+    ref.eval()
+    ours.eval()
+    ids, positions, _ = _packed_batch(ref.config.vocab_size)
+    with torch.no_grad():
+        got = ours(input_ids=ids, position_ids=positions).logits
+        alone = [
+            ref(input_ids=ids[row : row + 1, start : start + n]).logits
+            for row, lengths in enumerate(LENGTHS)
+            for start, n in zip(itertools.accumulate([0, *lengths[:-1]]), lengths)
+        ]
+    expected = torch.cat(alone, dim=1).view_as(got)
+    assert found and found[0] is not None, "the documents were not found in the positions"
+    assert found[0][0].tolist() == document_offsets(LENGTHS, row_length=16).tolist()
+    assert rel_err(got, expected) < TOL
+
+
+def test_positions_that_are_not_packed_documents_find_none():
+    assert offsets_from_positions(torch.arange(8)[None] + 1) is None  # not starting at 0
+    assert offsets_from_positions(torch.tensor([[0, 1, 2, 4, 0, 1]])) is None  # a skipped position
+    offsets, longest = offsets_from_positions(torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]))
+    assert offsets.tolist() == [0, 3, 5, 6, 12] and longest == 6
 
 
 def test_offsets_must_be_one_dimensional(reference_qwen3_moe, tmp_path):

@@ -50,6 +50,30 @@ def has_cache(kwargs: dict) -> bool:
     return any(kwargs.get(name) is not None for name in ("cache", "past_key_values", "cache_params"))
 
 
+def offsets_from_positions(position_ids_BS: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """The document offsets (int32, on the positions' device) and the longest document of packed rows
+    given only their ``position_ids`` (TRL's packing under SDPA), or None unless every row's positions
+    restart at 0 with each document and count up by one inside it: the documents Transformers' masks
+    find in such positions. One host synchronisation, as Transformers' own check for packed positions
+    takes."""
+    if not isinstance(position_ids_BS, torch.Tensor) or position_ids_BS.dim() != 2 or position_ids_BS.is_floating_point():
+        return None
+    rows, length = position_ids_BS.shape
+    if rows * length == 0:
+        return None
+    index_S = torch.arange(length, device=position_ids_BS.device)
+    starts_BS = position_ids_BS == 0
+    # Each position's document start: the last index <= it where the positions restart.
+    first_BS = torch.where(starts_BS, index_S, torch.zeros_like(index_S)).cummax(dim=1).values
+    exact = starts_BS[:, 0].all() & (position_ids_BS == index_S - first_BS).all()
+    flags = torch.cat([exact.view(1), starts_BS.flatten()]).cpu()  # the one synchronisation
+    if not bool(flags[0]):
+        return None
+    offsets = [*flags[1:].nonzero().flatten().tolist(), rows * length]
+    longest = max(end - start for start, end in zip(offsets, offsets[1:]))
+    return torch.tensor(offsets, dtype=torch.int32).to(position_ids_BS.device), longest
+
+
 def document_offsets(lengths_per_row: list[list[int]], *, row_length: int, num_offsets: int | None = None) -> torch.Tensor:
     """The int32 offsets of documents with these lengths (each row's lengths sum to ``row_length``),
     padded with the total to ``num_offsets`` entries when given (a fixed shape for CUDA graphs)."""

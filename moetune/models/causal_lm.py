@@ -28,7 +28,7 @@ from transformers.utils.output_capturing import OutputRecorder
 from typing_extensions import Unpack
 
 from moetune.layers import lm_head_cross_entropy, shift_labels_for_causal_lm
-from moetune.layers.document_attention import OFFSETS_KEY
+from moetune.layers.document_attention import OFFSETS_KEY, offsets_from_positions
 from moetune.models.pretrained import MoetunePreTrainedMixin
 from moetune.moe import ROUTERS, capture_router_logits, load_balancing_loss
 from moetune.training.graphed_backbone import LABELS_KEY, ScoredLabels, training_graphs
@@ -122,6 +122,7 @@ class MoetuneBaseModelMixin(MoetunePreTrainedMixin):
         return outputs
 
     def _backbone_forward(self, **kwargs):
+        kwargs = self._with_documents_from_positions(kwargs)
         if not self._is_plain_causal(kwargs):
             if self.training and kwargs.get("past_key_values") is None and kwargs.get("cache") is None:
                 # A training forward needs no KV cache (Transformers builds one whenever
@@ -152,6 +153,27 @@ class MoetuneBaseModelMixin(MoetunePreTrainedMixin):
             hidden = layer(hidden, attention_mask=None, position_ids=position_ids, **kwargs)
             hidden = hidden[0] if isinstance(hidden, tuple) else hidden
         return MoeModelOutputWithPast(last_hidden_state=getattr(self, self.final_norm_name)(hidden))
+
+    def _with_documents_from_positions(self, kwargs: dict) -> dict:
+        """Packed rows given by their ``position_ids`` alone (TRL's packing under SDPA) get their
+        documents' offsets (``offsets_from_positions``: one host read, as Transformers' own check of
+        the positions takes), so that the decoder loop keeps the documents apart with the family's
+        document attention, the path the CUDA graphs take for the same batch. Transformers builds a
+        mask from the same positions instead; its GPT-OSS (5.25) does not, and lets documents attend
+        to each other (docs/transformers_compatibility.md)."""
+        if (
+            kwargs.get("position_ids") is None
+            or kwargs.get(OFFSETS_KEY) is not None
+            or not self.takes_document_offsets
+            or torch.compiler.is_compiling()  # a host read would break the graph: Transformers' masks
+            or not self._is_plain_causal({**kwargs, "position_ids": None})
+        ):
+            return kwargs
+        documents = offsets_from_positions(kwargs["position_ids"])
+        if documents is None:
+            return kwargs
+        offsets_N, longest = documents
+        return {**kwargs, OFFSETS_KEY: offsets_N, "max_length_q": longest}
 
     def _has_document_offsets(self, kwargs: dict) -> bool:
         if kwargs.get(OFFSETS_KEY) is None or not self.takes_document_offsets:

@@ -71,6 +71,8 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from moetune.layers.document_attention import offsets_from_positions
+
 # Keyword arguments of the decoder stack's forward that the graphs take (the rest: eager).
 _GRAPHABLE_KEYS = frozenset({
     "input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
@@ -174,30 +176,18 @@ def _right_padded(mask_BS: torch.Tensor, *, rows: int, length: int, labels: Scor
 
 
 def _documents_from_positions(kwargs: dict[str, Any], ids_BS: torch.Tensor) -> dict[str, Any] | None:
-    """``kwargs`` with the documents' offsets of a padding-free row whose ``position_ids`` restart at
-    0 with each document and count up by one inside it (what TRL's collators write, and what
-    Transformers' masks read as documents when no offsets are given), or None. One host
-    synchronisation, as Transformers' own check for packed positions takes."""
+    """``kwargs`` with the documents' offsets of a padding-free row that has ``position_ids`` only
+    (``offsets_from_positions``), or None."""
+    if ids_BS.shape[0] != 1 or kwargs.get("attention_mask") is not None or kwargs.get("seq_idx") is not None:
+        return None
     positions_BS = kwargs.get("position_ids")
-    rows, length = ids_BS.shape
-    if rows != 1 or kwargs.get("attention_mask") is not None or kwargs.get("seq_idx") is not None:
+    if not isinstance(positions_BS, torch.Tensor) or tuple(positions_BS.shape) != tuple(ids_BS.shape):
         return None
-    if not isinstance(positions_BS, torch.Tensor) or tuple(positions_BS.shape) != (1, length) or positions_BS.is_floating_point():
+    documents = offsets_from_positions(positions_BS)
+    if documents is None:
         return None
-    positions_S = positions_BS[0]
-    index_S = torch.arange(length, device=positions_S.device)
-    starts_S = positions_S == 0
-    first_S = torch.where(starts_S, index_S, torch.zeros_like(index_S)).cummax(0).values
-    exact = starts_S[:1] & (positions_S == index_S - first_S).all()
-    flags = torch.cat([exact, starts_S]).cpu()  # the one synchronisation
-    if not bool(flags[0]):
-        return None
-    offsets = [*flags[1:].nonzero().flatten().tolist(), length]
-    return {
-        **kwargs,
-        "cu_seq_lens_q": torch.tensor(offsets, dtype=torch.int32).to(ids_BS.device),
-        "max_length_q": max(b - a for a, b in zip(offsets, offsets[1:])),
-    }
+    offsets_N, longest = documents
+    return {**kwargs, "cu_seq_lens_q": offsets_N, "max_length_q": longest}
 
 
 def _plan_documents(kwargs: dict[str, Any], ids_BS: torch.Tensor, *, pad_token_id: int) -> BatchPlan | None:
