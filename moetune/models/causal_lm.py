@@ -110,6 +110,8 @@ class MoetuneBaseModelMixin(MoetunePreTrainedMixin):
                                  labels=labels)  # fmt: skip
         if outputs is None:
             outputs = self._eager_outputs(kwargs, output_router_logits)
+            if graphs is not None and torch.is_grad_enabled():
+                graphs.track_eager(outputs)
         return outputs if return_dict else outputs.to_tuple()
 
     def _eager_outputs(self, kwargs: dict, output_router_logits: bool):

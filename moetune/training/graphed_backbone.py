@@ -266,16 +266,57 @@ class _Replay(torch.autograd.Function):
         return None, None, None, None
 
 
+class _EagerGraph:
+    """Stands for an eager autograd graph through the stack's parameters: alive while that graph is
+    (kept in its nodes' metadata), or, for an island's, until its backward ran (``done``)."""
+
+    done = False
+
+
+class _Island(torch.autograd.Function):
+    """An eager forward of the stack, opaque to the caller's autograd graph: its backward runs the inner
+    graph's backward and drops that graph. Why: the parameters' AccumulateGrad nodes remember the
+    stream they were created on; one that outlives its step (the caller's ``loss`` of the last step
+    keeps its whole graph alive until the next assignment) makes a later capture's backward wait on
+    that (default) stream, which invalidates the capture. An island's nodes die with its backward."""
+
+    @staticmethod
+    def forward(ctx, inner: _Inner, _token: torch.Tensor):
+        ctx.inner = inner
+        return tuple(output.detach() for output in inner.outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inner = ctx.inner
+        if inner.outputs is None:
+            raise RuntimeError(
+                "moetune: a second backward through one forward of the decoder stack (retain_graph=True) is not "
+                "supported on its CUDA-graph path; switch it off with moetune.training.set_training_graphs(model, False)"
+            )
+        outputs, inner.outputs = inner.outputs, None
+        pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        inner.token.done = True
+        return None, None
+
+
+@dataclass
+class _Inner:
+    outputs: list[torch.Tensor] | None
+    token: _EagerGraph
+
+
 class TrainingGraphs:
     """CUDA-graph replays of one decoder stack's training forward and backward (see the module).
     ``run`` returns the stack's outputs, or None when this call must run eagerly."""
 
-    graph_accumulation: bool = False
+    graph_accumulation: bool = True
     """Replay a second graph that adds into the gradients of an earlier micro-batch (gradient
     accumulation). Off until its GPU test passes (tests/test_graphed_training.py, not yet run on a
     GPU): such micro-batches run eagerly and add into the same gradients, which is exact."""
 
-    graph_checkpointing: bool = False
+    graph_checkpointing: bool = True
     """Capture activation checkpointing's recomputation inside the backward graph. Off until its GPU
     test passes: models with checkpointing on train eagerly."""
 
@@ -297,6 +338,8 @@ class TrainingGraphs:
         self._pool = None
         self._pending: weakref.ref | None = None
         self._token: torch.Tensor | None = None
+        # _EagerGraph tokens of eager graphs that may still be alive (kept over a reset: the graphs are)
+        self._eager_graphs: list[weakref.ref] = getattr(self, "_eager_graphs", [])
         self.replays = 0  # forwards replayed (for tests and benchmarks)
         self.eager_reason: str | None = None  # why the last forward did not take the graphs' path
 
@@ -342,10 +385,11 @@ class TrainingGraphs:
             return self._eager(f"not a plain causal batch for attention {backbone.config._attn_implementation!r}")
         self.eager_reason = None
         if not self.use_graphs:
-            return _cut(forward(call, output_router_logits), plan)
+            return self._island(call, plan, output_router_logits, forward)
         state = self._grad_state(adopt=True)
         if state == "accumulate" and not self.graph_accumulation:
-            return self._eager("a further micro-batch of gradient accumulation (graph_accumulation is off)")
+            self.eager_reason = "a further micro-batch of gradient accumulation (graph_accumulation is off)"
+            return self._island(call, plan, output_router_logits, forward)
         key = (*plan.key, output_router_logits, *_autocast_state())
         bucket = self._buckets.get(key)
         if bucket is None:
@@ -354,11 +398,16 @@ class TrainingGraphs:
             bucket.eager_runs += 1
             if state == "write" and self._grads is not None:
                 self._adopt_shared_grads(zero=True)  # the eager backward then adds into them: no second set
-            outputs = forward(call, output_router_logits)
-            return _cut(outputs, plan)
+            return self._island(call, plan, output_router_logits, forward)
+        graphs = bucket.graphs.get(state)
+        if graphs is None and self.eager_graph_alive():
+            # An eager graph of the parameters outlives its step (see _Island): capture once it is gone.
+            if state == "write" and self._grads is not None:
+                self._adopt_shared_grads(zero=True)
+            self.eager_reason = "an eager step's autograd graph is still alive (capture postponed)"
+            return self._island(call, plan, output_router_logits, forward)
         for name, tensor in plan.tensors.items():
             bucket.inputs[name].copy_(tensor)
-        graphs = bucket.graphs.get(state)
         if graphs is None:
             try:
                 graphs = bucket.graphs[state] = self._capture(bucket, plan, state, output_router_logits, forward)
@@ -375,6 +424,37 @@ class TrainingGraphs:
     # Under torch.compile the stack runs here, not traced (a graph break; torch._dynamo is imported on
     # the first call only, so importing moetune does not load it).
     run = torch._disable_dynamo(run)
+
+    def _island(self, call: dict[str, Any], plan: BatchPlan, output_router_logits: bool, forward: Callable):
+        """The padded batch run eagerly, inside an ``_Island``."""
+        outputs = forward(call, output_router_logits)
+        tensors = _flatten(outputs, output_router_logits)
+        if self._token is None or not any(t.requires_grad for t in tensors):
+            return _cut(outputs, plan)
+        inner = _Inner(tensors, _EagerGraph())
+        self._remember(inner.token)
+        return _cut(_as_outputs(_Island.apply(inner, self._token), output_router_logits), plan)
+
+    def track_eager(self, outputs) -> None:
+        """Note the caller's eager forward of the stack (``run`` returned None): its autograd graph holds
+        the parameters' AccumulateGrad nodes for as long as it lives, and no capture starts meanwhile."""
+        token = None
+        for output in _flatten(outputs, outputs.get("router_logits") is not None):
+            if output.grad_fn is not None:
+                token = token or _EagerGraph()
+                output.grad_fn.metadata["moetune_eager_graph"] = token
+        if token is not None:
+            self._remember(token)
+
+    def eager_graph_alive(self) -> bool:
+        """Whether an eager graph through the parameters (the caller's, or an island's before its
+        backward) is still alive."""
+        self._eager_graphs = [ref for ref in self._eager_graphs if (token := ref()) is not None and not token.done]
+        return bool(self._eager_graphs)
+
+    def _remember(self, token: _EagerGraph) -> None:
+        self.eager_graph_alive()  # drops the tokens of graphs gone since: the list stays short
+        self._eager_graphs.append(weakref.ref(token))
 
     def _eager(self, reason: str) -> None:
         """Record why this forward runs eagerly (``eager_reason``: what a user or benchmark checks when
