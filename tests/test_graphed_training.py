@@ -75,15 +75,21 @@ def test_right_padded_batches_padded_to_the_bucket_train_exactly(family, monkeyp
 
 
 def test_padding_free_batches_get_a_document_of_pads():
-    reference, padded, _ = _eager_padded_pair(tiny_qwen3_moe_config())
+    reference, padded, runner = _eager_padded_pair(tiny_qwen3_moe_config())
     lengths = [20, 25, 5]
     ids = torch.randint(0, 96, (1, 50), generator=torch.Generator().manual_seed(2))
     positions = torch.cat([torch.arange(n) for n in lengths])[None]
     offsets = document_offsets([lengths], row_length=50)
     labels = ids.masked_fill(positions == 0, -100)
-    batch = dict(input_ids=ids, position_ids=positions, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
+    # The key offsets a copy of the query offsets' (a Trainer moves each input to the GPU on its own).
+    batch = dict(input_ids=ids, position_ids=positions, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets.clone(),
                  max_length_q=25, max_length_k=25, labels=labels)  # fmt: skip
     assert rel_err(padded(**batch).loss, reference(**batch).loss) < 1e-6
+    assert runner.eager_reason is None, runner.eager_reason
+    other_keys = offsets.clone()
+    other_keys[1] += 1
+    padded(**{**batch, "cu_seq_lens_k": other_keys})
+    assert runner.eager_reason is not None and "padding would not be exact" in runner.eager_reason
 
 
 def test_packed_positions_without_offsets_train_as_documents(monkeypatch):
@@ -299,7 +305,7 @@ def test_replayed_padding_free_steps(offsets_given):
         ids = torch.randint(0, 128, (1, total), generator=torch.Generator().manual_seed(i)).cuda()
         positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
         offsets = document_offsets([lengths], row_length=total).cuda()
-        steps.append([dict(input_ids=ids, position_ids=positions, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets,
+        steps.append([dict(input_ids=ids, position_ids=positions, cu_seq_lens_q=offsets, cu_seq_lens_k=offsets.clone(),
                            max_length_q=max(lengths), max_length_k=max(lengths),
                            labels=ids.masked_fill(positions == 0, -100))])  # fmt: skip
         if not offsets_given:  # TRL's packing under SDPA: the positions alone

@@ -367,7 +367,9 @@ def _grouped_low_rank(x, adapter: ExpertAdapter, offsets_E, gather_order, gather
 
     Two thin grouped GEMMs (rank R columns), each ~R/O of the base GEMM's FLOPs. torch's grouped GEMM
     needs 16-byte aligned rows, so the rank is zero-padded to a multiple of 8 (exact)."""
-    a_ERI, b_EOR = adapter.a_ERI, adapter.b_EOR * adapter.scaling
+    # PEFT's factors may come as views whose experts' dimension is the innermost (E-stride 1), a layout
+    # torch's grouped GEMM refuses; they are small (R columns), so a contiguous copy costs little.
+    a_ERI, b_EOR = adapter.a_ERI.contiguous(), (adapter.b_EOR * adapter.scaling).contiguous()
     if not grouped_mm_supported(x):  # the FP8 experts off CUDA bf16 (their reference): a loop over experts
         rows = x if gather_order is None else moe_permute(x, gather_order, gather_top_k, num_valid=offsets_E[-1:])
         return _low_rank_loop(rows, a_ERI, b_EOR, offsets_E)

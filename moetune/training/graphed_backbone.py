@@ -196,7 +196,7 @@ def _plan_documents(kwargs: dict[str, Any], ids_BS: torch.Tensor, *, pad_token_i
     rows, length = ids_BS.shape
     if rows != 1 or not isinstance(offsets_N, torch.Tensor) or offsets_N.dim() != 1 or positions_BS is None:
         return None
-    if kwargs.get("cu_seq_lens_k") is not None and kwargs["cu_seq_lens_k"] is not offsets_N:
+    if not _same_offsets(kwargs.get("cu_seq_lens_k"), offsets_N):
         return None  # different key documents: not a causal self-attention over packed documents
     if kwargs.get("attention_mask") is not None or tuple(positions_BS.shape) != (1, length):
         return None
@@ -224,6 +224,16 @@ def _plan_documents(kwargs: dict[str, Any], ids_BS: torch.Tensor, *, pad_token_i
         key=("documents", padded, num_offsets, longest), tensors=tensors, constants={"max_length_q": longest},
         rows=1, length=length, padded=padded,
     )  # fmt: skip
+
+
+def _same_offsets(keys_N: torch.Tensor | None, queries_N: torch.Tensor) -> bool:
+    """Whether the key documents are the query documents (absent, the same tensor, or equal: a Trainer
+    moves each input to the GPU on its own, so TRL's one tensor arrives as two)."""
+    if keys_N is None or keys_N is queries_N:
+        return True
+    if not isinstance(keys_N, torch.Tensor) or keys_N.shape != queries_N.shape:
+        return False
+    return bool((keys_N.to(queries_N.device) == queries_N).all())
 
 
 class _Pending:
