@@ -50,6 +50,13 @@ run the micro-batch eagerly. The first forward of each bucket runs eagerly too (
 initialisation: Triton compilation, cuBLAS workspaces), as does any forward while an earlier
 replay's backward is still pending (its activations live in the graphs' memory).
 
+Streams: a parameter's AccumulateGrad node remembers the stream it was created on, and a capture
+whose backward meets one created on the default stream is invalidated. Such a node lives as long
+as any autograd graph through it, and a plain loop keeps its last ``loss`` (and so its graph) alive
+into the next forward. So the eager runs of the padded batches are islands (``_Island``: their
+graph is dropped once their backward ran), the caller's own eager forwards are tracked until their
+graph is gone, and a capture waits (the batch runs as an island) while one is alive.
+
 Requirements (checked, else eager): CUDA, a single device, no expert parallelism (FSDP2 and the
 all-to-all need the host), untied embeddings (a tied LM head would add to the embedding's gradient
 outside the graphs first), no host synchronisation inside the layers (moetune's one-device MoE
@@ -323,12 +330,12 @@ class TrainingGraphs:
 
     graph_accumulation: bool = True
     """Replay a second graph that adds into the gradients of an earlier micro-batch (gradient
-    accumulation). Off until its GPU test passes (tests/test_graphed_training.py, not yet run on a
-    GPU): such micro-batches run eagerly and add into the same gradients, which is exact."""
+    accumulation; its GPU test in tests/test_graphed_training.py). Off: such micro-batches run
+    eagerly and add into the same gradients, which is exact too."""
 
     graph_checkpointing: bool = True
-    """Capture activation checkpointing's recomputation inside the backward graph. Off until its GPU
-    test passes: models with checkpointing on train eagerly."""
+    """Capture activation checkpointing's recomputation inside the backward graph (its GPU test in
+    tests/test_graphed_training.py). Off: models with checkpointing on train eagerly."""
 
     def __init__(self, backbone: torch.nn.Module, *, eager_runs_per_bucket: int = 1, use_graphs: bool = True) -> None:
         """``use_graphs=False`` runs the bucket-padded batches eagerly (on any device): the padding's
