@@ -234,13 +234,13 @@ def _plan_documents(kwargs: dict[str, Any], ids_BS: torch.Tensor, *, pad_token_i
 
 
 def _same_offsets(keys_N: torch.Tensor | None, queries_N: torch.Tensor) -> bool:
-    """Whether the key documents are the query documents (absent, the same tensor, or equal: a Trainer
-    moves each input to the GPU on its own, so TRL's one tensor arrives as two)."""
+    """Whether the key documents can be taken as the query documents: absent, the same tensor, or one
+    of the same shape (a Trainer moves each input to the GPU on its own, so TRL's one tensor arrives
+    as two). Their values are not read (no host synchronisation): moetune's document attention reads
+    the query offsets only, on the eager path as here (causal self-attention over packed documents)."""
     if keys_N is None or keys_N is queries_N:
         return True
-    if not isinstance(keys_N, torch.Tensor) or keys_N.shape != queries_N.shape:
-        return False
-    return bool((keys_N.to(queries_N.device) == queries_N).all())
+    return isinstance(keys_N, torch.Tensor) and keys_N.shape == queries_N.shape
 
 
 class _Pending:
