@@ -179,6 +179,28 @@ def test_the_padded_eager_run_lets_its_graph_go_after_the_backward():
     assert not runner.eager_graph_alive()
 
 
+def test_eager_graphs_are_tracked_under_torch_compile():
+    """Under ``torch.compile`` (Trainer's ``torch_compile=True``) the caller's eager forward is tracked
+    as well (outside dynamo), and let go with its graph."""
+    import gc
+
+    _, padded, runner = _eager_padded_pair(tiny_qwen3_moe_config())
+    compiled = torch.compile(padded, backend="eager")
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(6))
+    left_padded = (torch.arange(16) >= torch.tensor([0, 5])[:, None]).long()
+    for _ in range(2):
+        loss = compiled(input_ids=ids, attention_mask=left_padded, labels=ids).loss
+        assert runner.eager_reason is not None and runner.eager_graph_alive()
+        loss.backward()
+        del loss
+        gc.collect()  # the first compilation leaves a reference cycle behind
+        assert not runner.eager_graph_alive()
+    loss = compiled(input_ids=ids, labels=ids).loss  # the padded path
+    assert runner.eager_reason is None
+    loss.backward()
+    assert not runner.eager_graph_alive()
+
+
 def test_cuda_graphs_option_switches_the_graphs_off():
     model = moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(), cuda_graphs=False)
     assert model.model.cuda_graph_training is False

@@ -463,6 +463,9 @@ class TrainingGraphs:
         if token is not None:
             self._remember(token)
 
+    # Reads autograd nodes, which a traced (torch.compile) forward does not have: run outside dynamo.
+    track_eager = torch._disable_dynamo(track_eager)
+
     def eager_graph_alive(self) -> bool:
         """Whether an eager graph through the parameters (the caller's, or an island's before its
         backward) is still alive."""
