@@ -336,13 +336,16 @@ def test_replayed_padding_free_steps(offsets_given):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_replayed_steps_with_peft_lora_on_the_experts():
+@pytest.mark.parametrize("rank", [4, 16])
+def test_replayed_steps_with_peft_lora_on_the_experts(rank):
+    """Rank 16 reaches torch's grouped GEMM in PEFT's own layout of the factors (experts' dimension
+    innermost); rank 4 is padded to 8 first."""
     peft = pytest.importorskip("peft")
     graphed, eager = _cuda_pair(aux_loss=False)
     models = []
     for model in (graphed, eager):
         torch.manual_seed(3)
-        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+        config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
                                  target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
         models.append(peft.get_peft_model(model, config))
     steps = [[_padded_batch([256, 200], 256, seed=i)] for i in range(6)]
