@@ -18,15 +18,6 @@ from tests.conftest import rel_err, tiny_family_config, tiny_qwen3_moe_config
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 
 
-@pytest.fixture(autouse=True)
-def _every_graph_path(request, monkeypatch):
-    """The GPU tests check the paths that are off by default until they pass here: the accumulating
-    graph and captured activation checkpointing."""
-    if request.node.get_closest_marker("gpu"):
-        monkeypatch.setattr(TrainingGraphs, "graph_accumulation", True)
-        monkeypatch.setattr(TrainingGraphs, "graph_checkpointing", True)
-
-
 def test_buckets_pad_at_most_an_eighth_above_2048():
     assert [bucket_length(n) for n in (1, 256, 257, 2048, 2049, 3000, 4096, 4097, 12000)] == [
         256, 256, 512, 2048, 2304, 3072, 4096, 4608, 12288,

@@ -50,9 +50,6 @@ def padded_plans(monkeypatch):
 
     monkeypatch.setattr(graphed_backbone, "plan_batch", plan_batch)
     monkeypatch.setattr(causal_lm, "training_graphs", eager_padded)
-    # TRL checkpoints activations by default: the padding under it is checked too (the captured
-    # recomputation itself is off by default until its GPU test passes).
-    monkeypatch.setattr(graphed_backbone.TrainingGraphs, "graph_checkpointing", True)
     return plans
 
 
