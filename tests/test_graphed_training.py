@@ -192,6 +192,19 @@ def test_eager_graphs_are_tracked_under_torch_compile():
     assert not runner.eager_graph_alive()
 
 
+def test_runs_of_several_processes_train_eagerly(monkeypatch):
+    """Under DDP (Trainer on several GPUs without ep_size) the all-reduce starts from hooks on the
+    parameters' AccumulateGrad nodes, which a replayed backward skips: such runs take the eager path."""
+    _, padded, runner = _eager_padded_pair(tiny_qwen3_moe_config())
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(7))
+    padded(input_ids=ids, labels=ids)
+    assert runner.eager_reason is None
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    padded(input_ids=ids, labels=ids)
+    assert runner.eager_reason is not None and "several processes" in runner.eager_reason
+
+
 def test_cuda_graphs_option_switches_the_graphs_off():
     model = moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(), cuda_graphs=False)
     assert model.model.cuda_graph_training is False

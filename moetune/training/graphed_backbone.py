@@ -57,8 +57,9 @@ into the next forward. So the eager runs of the padded batches are islands (``_I
 graph is dropped once their backward ran), the caller's own eager forwards are tracked until their
 graph is gone, and a capture waits (the batch runs as an island) while one is alive.
 
-Requirements (checked, else eager): CUDA, a single device, no expert parallelism (FSDP2 and the
-all-to-all need the host), untied embeddings (a tied LM head would add to the embedding's gradient
+Requirements (checked, else eager): CUDA, a single device, one process (DDP's and DeepSpeed's
+gradient hooks run in autograd's own backward, which a replay skips; moetune's multi-GPU path is
+``ep_size`` with FSDP2), no expert parallelism (FSDP2 and the all-to-all need the host), untied embeddings (a tied LM head would add to the embedding's gradient
 outside the graphs first), no host synchronisation inside the layers (moetune's one-device MoE
 path has none). Parameters that move or change ``requires_grad`` (``model.to``, PEFT) drop the
 graphs and start over. Off with ``MoetuneOptions(cuda_graphs=False)`` or
@@ -382,6 +383,8 @@ class TrainingGraphs:
         backbone = self._backbone_ref()
         if backbone is None or self.disabled_reason is not None or not _graphable_now(backbone):
             return self._eager("not a training forward on CUDA (or graphs disabled)")
+        if _several_processes():
+            return self._eager("a run of several processes (DDP's gradient hooks need autograd's own backward)")
         if _checkpointing(backbone) and not self.graph_checkpointing:
             return self._eager("activation checkpointing (graph_checkpointing is off)")
         ids = kwargs.get("input_ids")
@@ -638,6 +641,13 @@ def _graphable_now(backbone: torch.nn.Module) -> bool:
     # Activation checkpointing (TRL's default) is captured with its recomputation (see
     # _checkpointing_without_rng_state), which is exact only where the layers draw no random numbers.
     return not (_checkpointing(backbone) and _draws_random_numbers(backbone))
+
+
+def _several_processes() -> bool:
+    """A data-parallel run (DDP, DeepSpeed, accelerate's multi-GPU): their hooks on the parameters'
+    AccumulateGrad nodes start the gradients' all-reduce; a replayed backward would skip them."""
+    distributed = torch.distributed
+    return distributed.is_available() and distributed.is_initialized() and distributed.get_world_size() > 1
 
 
 def _checkpointing(backbone: torch.nn.Module) -> bool:
