@@ -205,6 +205,21 @@ def test_runs_of_several_processes_train_eagerly(monkeypatch):
     assert runner.eager_reason is not None and "several processes" in runner.eager_reason
 
 
+def test_hooks_on_the_gradients_keep_the_eager_path():
+    """A hook on a parameter's gradient (an optimizer in the backward, a gradient filter) would not
+    run in a replayed backward: the stack then runs eagerly, and the hook runs."""
+    _, padded, runner = _eager_padded_pair(tiny_qwen3_moe_config())
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(8))
+    seen = []
+    weight = padded.model.layers[0].self_attn.q_proj.weight
+    handle = weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.norm()))
+    padded(input_ids=ids, labels=ids).loss.backward()
+    assert runner.eager_reason == "hooks on the parameters' gradients" and len(seen) == 1
+    handle.remove()
+    padded(input_ids=ids, labels=ids)
+    assert runner.eager_reason is None
+
+
 def test_cuda_graphs_option_switches_the_graphs_off():
     model = moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(), cuda_graphs=False)
     assert model.model.cuda_graph_training is False

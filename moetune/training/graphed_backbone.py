@@ -57,7 +57,8 @@ into the next forward. So the eager runs of the padded batches are islands (``_I
 graph is dropped once their backward ran), the caller's own eager forwards are tracked until their
 graph is gone, and a capture waits (the batch runs as an island) while one is alive.
 
-Requirements (checked, else eager): CUDA, a single device, one process (DDP's and DeepSpeed's
+Requirements (checked, else eager): CUDA, a single device, no hooks on the parameters' gradients
+(a replay would not call them), one process (DDP's and DeepSpeed's
 gradient hooks run in autograd's own backward, which a replay skips; moetune's multi-GPU path is
 ``ep_size`` with FSDP2), no expert parallelism (FSDP2 and the all-to-all need the host), untied embeddings (a tied LM head would add to the embedding's gradient
 outside the graphs first), no host synchronisation inside the layers (moetune's one-device MoE
@@ -392,6 +393,9 @@ class TrainingGraphs:
             return self._eager("no CUDA input_ids")
         if not self._check_parameters(backbone, ids.device):
             return self._eager("parameters sharded, spread over devices, tied or frozen")
+        if any(p._post_accumulate_grad_hooks or p._backward_hooks for p in self._params):
+            # An optimizer in the backward, a gradient hook: a replayed backward would not call them.
+            return self._eager("hooks on the parameters' gradients")
         pending = self._pending() if self._pending is not None else None
         if pending is not None and not pending.done:
             return self._eager("an earlier replay's backward is pending")  # its activations live in the graphs
