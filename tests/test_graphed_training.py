@@ -220,6 +220,17 @@ def test_hooks_on_the_gradients_keep_the_eager_path():
     assert runner.eager_reason is None
 
 
+def test_a_second_backward_through_one_forward_is_refused():
+    """The graphs' path keeps no autograd graph to go through twice (``retain_graph=True``): it says so
+    and names the switch, where writing the gradients again would be silently wrong."""
+    _, padded, _ = _eager_padded_pair(tiny_qwen3_moe_config())
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(9))
+    loss = padded.model(input_ids=ids).last_hidden_state.float().square().mean()  # a loss of the user's own
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="set_training_graphs"):
+        loss.backward()
+
+
 def test_cuda_graphs_option_switches_the_graphs_off():
     model = moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(), cuda_graphs=False)
     assert model.model.cuda_graph_training is False

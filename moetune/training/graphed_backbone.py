@@ -280,9 +280,17 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
+        if ctx.pending.done:  # a replay writes the gradients: a second backward would not add to them
+            raise RuntimeError(_SECOND_BACKWARD)
         ctx.runner._replay_backward(ctx.graphs, grads)
         ctx.pending.done = True
         return None, None, None, None
+
+
+_SECOND_BACKWARD = (
+    "moetune: a second backward through one forward of the decoder stack (retain_graph=True) is not supported "
+    "on its CUDA-graph path; switch it off with moetune.training.set_training_graphs(model, False)"
+)
 
 
 class _EagerGraph:
@@ -308,10 +316,7 @@ class _Island(torch.autograd.Function):
     def backward(ctx, *grads):
         inner = ctx.inner
         if inner.outputs is None:
-            raise RuntimeError(
-                "moetune: a second backward through one forward of the decoder stack (retain_graph=True) is not "
-                "supported on its CUDA-graph path; switch it off with moetune.training.set_training_graphs(model, False)"
-            )
+            raise RuntimeError(_SECOND_BACKWARD)
         outputs, inner.outputs = inner.outputs, None
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
         if pairs:
