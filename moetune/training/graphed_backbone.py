@@ -58,9 +58,9 @@ graph is dropped once their backward ran), the caller's own eager forwards are t
 graph is gone, and a capture waits (the batch runs as an island) while one is alive.
 
 Requirements (checked, else eager): CUDA, a single device, no hooks on the parameters' gradients
-(a replay would not call them), one process (DDP's and DeepSpeed's
-gradient hooks run in autograd's own backward, which a replay skips; moetune's multi-GPU path is
-``ep_size`` with FSDP2), no expert parallelism (FSDP2 and the all-to-all need the host), untied embeddings (a tied LM head would add to the embedding's gradient
+(a replay would not call them), one process (DDP's and DeepSpeed's all-reduce starts from such
+hooks; moetune's multi-GPU path is ``ep_size`` with FSDP2), no expert parallelism (FSDP2 and the
+all-to-all need the host), untied embeddings (a tied LM head would add to the embedding's gradient
 outside the graphs first), no host synchronisation inside the layers (moetune's one-device MoE
 path has none). Parameters that move or change ``requires_grad`` (``model.to``, PEFT) drop the
 graphs and start over. Off with ``MoetuneOptions(cuda_graphs=False)`` or
@@ -245,10 +245,13 @@ def _same_offsets(keys_N: torch.Tensor | None, queries_N: torch.Tensor) -> bool:
     return isinstance(keys_N, torch.Tensor) and keys_N.shape == queries_N.shape
 
 
-class _Pending:
-    """Alive while a replayed forward's autograd graph is, ``done`` once its backward ran."""
+class _GraphToken:
+    """Stands for one autograd graph through the stack's parameters: alive while that graph is (held by
+    its Function's context, or kept in its nodes' metadata), ``done`` once its backward ran. An
+    island's token also holds its inner graph's outputs until then."""
 
     done = False
+    outputs: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -271,7 +274,7 @@ class _Bucket:
 
 class _Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, runner: TrainingGraphs, graphs: _Graphs, pending: _Pending, _token: torch.Tensor):
+    def forward(ctx, runner: TrainingGraphs, graphs: _Graphs, pending: _GraphToken, _token: torch.Tensor):
         graphs.forward.replay()
         ctx.runner, ctx.graphs, ctx.pending = runner, graphs, pending
         # Copies: the next replay overwrites the static outputs, and the caller may keep these.
@@ -293,13 +296,6 @@ _SECOND_BACKWARD = (
 )
 
 
-class _EagerGraph:
-    """Stands for an eager autograd graph through the stack's parameters: alive while that graph is
-    (kept in its nodes' metadata), or, for an island's, until its backward ran (``done``)."""
-
-    done = False
-
-
 class _Island(torch.autograd.Function):
     """An eager forward of the stack, opaque to the caller's autograd graph: its backward runs the inner
     graph's backward and drops that graph. Why: the parameters' AccumulateGrad nodes remember the
@@ -308,27 +304,21 @@ class _Island(torch.autograd.Function):
     that (default) stream, which invalidates the capture. An island's nodes die with its backward."""
 
     @staticmethod
-    def forward(ctx, inner: _Inner, _token: torch.Tensor):
-        ctx.inner = inner
-        return tuple(output.detach() for output in inner.outputs)
+    def forward(ctx, token: _GraphToken, _token: torch.Tensor):
+        ctx.token = token
+        return tuple(output.detach() for output in token.outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        inner = ctx.inner
-        if inner.outputs is None:
+        token = ctx.token
+        if token.done:
             raise RuntimeError(_SECOND_BACKWARD)
-        outputs, inner.outputs = inner.outputs, None
+        outputs, token.outputs = token.outputs, None
         pairs = [(o, g) for o, g in zip(outputs, grads) if o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        inner.token.done = True
+        token.done = True
         return None, None
-
-
-@dataclass
-class _Inner:
-    outputs: list[torch.Tensor] | None
-    token: _EagerGraph
 
 
 class TrainingGraphs:
@@ -362,7 +352,7 @@ class TrainingGraphs:
         self._pool = None
         self._pending: weakref.ref | None = None
         self._token: torch.Tensor | None = None
-        # _EagerGraph tokens of eager graphs that may still be alive (kept over a reset: the graphs are)
+        # _GraphToken tokens of eager graphs that may still be alive (kept over a reset: the graphs are)
         self._eager_graphs: list[weakref.ref] = getattr(self, "_eager_graphs", [])
         self.replays = 0  # forwards replayed (for tests and benchmarks)
         self.eager_reason: str | None = None  # why the last forward did not take the graphs' path
@@ -423,17 +413,16 @@ class TrainingGraphs:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(inputs={name: torch.empty_like(t) for name, t in plan.tensors.items()})
-        if state is None or bucket.eager_runs < self.eager_runs_per_bucket:
-            bucket.eager_runs += 1
+        graphs = bucket.graphs.get(state)
+        warming_up = state is None or bucket.eager_runs < self.eager_runs_per_bucket
+        # An eager graph of the parameters that outlives its step (see _Island) postpones a capture.
+        if warming_up or (graphs is None and self.eager_graph_alive()):
+            if warming_up:
+                bucket.eager_runs += 1
+            else:
+                self.eager_reason = "an eager step's autograd graph is still alive (capture postponed)"
             if state == "write" and self._grads is not None:
                 self._adopt_shared_grads(zero=True)  # the eager backward then adds into them: no second set
-            return self._island(call, plan, output_router_logits, forward)
-        graphs = bucket.graphs.get(state)
-        if graphs is None and self.eager_graph_alive():
-            # An eager graph of the parameters outlives its step (see _Island): capture once it is gone.
-            if state == "write" and self._grads is not None:
-                self._adopt_shared_grads(zero=True)
-            self.eager_reason = "an eager step's autograd graph is still alive (capture postponed)"
             return self._island(call, plan, output_router_logits, forward)
         for name, tensor in plan.tensors.items():
             bucket.inputs[name].copy_(tensor)
@@ -444,7 +433,7 @@ class TrainingGraphs:
                 self._disable(f"capturing the training step failed ({type(error).__name__}: {error})")
                 outputs = forward(call, output_router_logits)
                 return _cut(outputs, plan)
-        pending = _Pending()
+        pending = _GraphToken()
         self._pending = weakref.ref(pending)
         self.replays += 1
         tensors = _Replay.apply(self, graphs, pending, self._token)
@@ -460,9 +449,10 @@ class TrainingGraphs:
         tensors = _flatten(outputs, output_router_logits)
         if self._token is None or not any(t.requires_grad for t in tensors):
             return _cut(outputs, plan)
-        inner = _Inner(tensors, _EagerGraph())
-        self._remember(inner.token)
-        return _cut(_as_outputs(_Island.apply(inner, self._token), output_router_logits), plan)
+        token = _GraphToken()
+        token.outputs = tensors
+        self._remember(token)
+        return _cut(_as_outputs(_Island.apply(token, self._token), output_router_logits), plan)
 
     def track_eager(self, outputs) -> None:
         """Note the caller's eager forward of the stack (``run`` returned None): its autograd graph holds
@@ -470,7 +460,7 @@ class TrainingGraphs:
         token = None
         for output in _flatten(outputs, outputs.get("router_logits") is not None):
             if output.grad_fn is not None:
-                token = token or _EagerGraph()
+                token = token or _GraphToken()
                 output.grad_fn.metadata["moetune_eager_graph"] = token
         if token is not None:
             self._remember(token)
@@ -484,7 +474,7 @@ class TrainingGraphs:
         self._eager_graphs = [ref for ref in self._eager_graphs if (token := ref()) is not None and not token.done]
         return bool(self._eager_graphs)
 
-    def _remember(self, token: _EagerGraph) -> None:
+    def _remember(self, token: _GraphToken) -> None:
         self.eager_graph_alive()  # drops the tokens of graphs gone since: the list stays short
         self._eager_graphs.append(weakref.ref(token))
 
