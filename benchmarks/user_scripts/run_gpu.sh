@@ -34,7 +34,7 @@ for stage in $STAGES; do
   start=$(date +%s)
   case $stage in
     tests)
-      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_graphed_training.py -p no:cacheprovider 2>&1 | tail -30 | tee "$RESULTS/gpu_tests.log" ;;
+      timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu tests/test_graphed_training.py -p no:cacheprovider -rA 2>&1 | tee "$RESULTS/gpu_tests_full.log" | tail -30 | tee "$RESULTS/gpu_tests.log" ;;
     qwen3)
       timeout ${QWEN3_TIMEOUT:-480} python3 benchmarks/user_scripts/compare.py --config qwen3_30b_a3b --layers "$LAYERS" \
         --scripts "$SCRIPTS" --max-steps "$STEPS" --warmup-steps "$WARMUP" --out "$RESULTS/qwen3" --work /tmp/us_work_qwen3 \
