@@ -252,14 +252,15 @@ def _spy(fn, calls: list):
 # -- on a GPU: the replays against the eager model --
 
 
-def _cuda_pair(*, aux_loss: bool = True, **overrides):
+def _cuda_pair(*, config=None, aux_loss: bool = True, **overrides):
     """(graphed model, its copy whose stack runs the same bucket-padded batches eagerly). The padding is
     exact (the CPU tests above, in fp32); on the GPU in bf16 the padded shapes change the kernels'
     rounding, which flips near-tied expert choices of a tiny random model. Against the same shapes, a
     replay must equal the eager run."""
     torch.manual_seed(0)
-    config = tiny_qwen3_moe_config(vocab_size=128, hidden_size=64, moe_intermediate_size=32,
-                                   output_router_logits=aux_loss, **overrides)  # fmt: skip
+    if config is None:
+        config = tiny_qwen3_moe_config(vocab_size=128, hidden_size=64, moe_intermediate_size=32,
+                                       output_router_logits=aux_loss, **overrides)  # fmt: skip
     with torch.device("cuda"):
         graphed = moetune.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).train()
     eager = copy.deepcopy(graphed)
@@ -267,22 +268,24 @@ def _cuda_pair(*, aux_loss: bool = True, **overrides):
     return graphed, eager
 
 
-def _padded_batch(lengths: list[int], width: int, *, seed: int) -> dict[str, torch.Tensor]:
+def _padded_batch(lengths: list[int], width: int, *, seed: int, vocab_size: int = 128) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 128, (len(lengths), width), generator=generator)
+    ids = torch.randint(0, vocab_size, (len(lengths), width), generator=generator)
     mask = (torch.arange(width) < torch.tensor(lengths)[:, None]).long()
     return {"input_ids": ids.cuda(), "attention_mask": mask.cuda(), "labels": ids.masked_fill(mask == 0, -100).cuda()}
 
 
-def _train(model, steps: list[list[dict]], *, set_to_none: bool = True) -> tuple[list[float], list[dict]]:
+def _train(model, steps: list[list[dict]], *, set_to_none: bool = True, autocast: bool = False) -> tuple[list[float], list[dict]]:
     """A plain loop shaped like Trainer's: micro-batches, backward, clip, AdamW, zero_grad; losses and
     the gradients before each optimizer step. Like most plain loops it keeps the last ``loss`` (and its
-    autograd graph) alive into the next forward."""
+    autograd graph) alive into the next forward. ``autocast``: each forward under bf16 autocast, as
+    Trainer's ``bf16=True`` runs it."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, grads = [], []
     for micro_batches in steps:
         for batch in micro_batches:
-            loss = model(**batch).loss / len(micro_batches)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                loss = model(**batch).loss / len(micro_batches)
             loss.backward()
             losses.append(loss.item())
         grads.append({name: p.grad.float().clone() for name, p in model.named_parameters() if p.grad is not None})
@@ -318,6 +321,37 @@ def test_replayed_steps_train_like_the_eager_model_with_accumulation_and_buckets
     runner = _assert_same_training(graphed, eager, steps)
     assert runner.replays >= 10
     assert {key[0] for key in runner._buckets} == {"rows"} and len(runner._buckets) >= 3
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_replayed_nemotron_h_steps_under_autocast():
+    """Trainer's ``bf16=True`` runs the forward under autocast, and Nemotron-H's Mamba-2 regions are
+    compiled. The capture used to switch autocast's cache off, a state torch.compile guards on: the
+    regions recompiled inside the capture, which failed (an H100, 2026-12-07), and the model trained
+    eagerly from then on."""
+    config = tiny_family_config("nemotron_h", vocab_size=128)
+    graphed, eager = _cuda_pair(config=config)
+    steps = [[_padded_batch(lengths, max(lengths), seed=i)] for i, lengths in enumerate([[200, 120], [256, 256]] * 3)]
+    runner = _assert_same_training(graphed, eager, steps, autocast=True)
+    assert runner.replays >= 3
+
+
+def test_the_capture_keeps_the_state_torch_compile_guards_on():
+    """The autocast cache is emptied around a capture, not switched off: a compiled region called inside
+    runs its compiled code instead of recompiling (which would invalidate a capture)."""
+    import torch._dynamo
+
+    from moetune.training.graphed_backbone import _fresh_autocast_cache
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: (x * 2).sin(), backend="eager", dynamic=False, fullgraph=True)
+    x = torch.randn(4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        compiled(x)
+        with torch._dynamo.config.patch(error_on_recompile=True), _fresh_autocast_cache():
+            compiled(x)
+            assert torch.is_autocast_cache_enabled()
 
 
 @pytest.mark.gpu

@@ -145,6 +145,9 @@ class Measurement(TrainerCallback):
         _synchronize()
         self._start = time.perf_counter()
 
+    # The "forward" mark is set from a hook inside the model's forward, which torch.compile
+    # (TrainingArguments(torch_compile=True)) would trace: an event recorded at tracing time only.
+    @torch.compiler.disable
     def _mark(self, name: str) -> None:
         if torch.cuda.is_available() and not self.args.cpu:
             self._marks[name] = event = torch.cuda.Event(enable_timing=True)

@@ -567,7 +567,7 @@ class TrainingGraphs:
             forward_graph, backward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
             backbone = self._backbone_ref()
             with _checkpointing_without_rng_state(backbone):
-                with _no_autocast_cache(), torch.cuda.graph(forward_graph, pool=self._pool):
+                with _fresh_autocast_cache(), torch.cuda.graph(forward_graph, pool=self._pool):
                     outputs = _flatten(forward(call, output_router_logits), output_router_logits)
                 if self._pool is None:
                     self._pool = forward_graph.pool()
@@ -698,13 +698,17 @@ def _autocast_state() -> tuple:
 
 
 @contextlib.contextmanager
-def _no_autocast_cache():
-    """Autocast's cache of cast weights must not outlive a capture (make_graphed_callables' rule)."""
-    if not torch.is_autocast_enabled("cuda"):
+def _fresh_autocast_cache():
+    """Autocast's cache of cast weights must neither reach into a capture (a cast made before it would be
+    replayed stale) nor outlive it (a cast made inside lives in the graph's memory): emptied on both
+    sides. Not by switching the cache off, as make_graphed_callables does: that is part of the global
+    state torch.compile guards on, so compiled regions in the layers (Nemotron-H's Mamba-2 scan) would
+    recompile inside the capture, which invalidates it."""
+    torch.clear_autocast_cache()
+    try:
         yield
-        return
-    with torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
-        yield
+    finally:
+        torch.clear_autocast_cache()
 
 
 def _flatten(outputs, output_router_logits: bool) -> list[torch.Tensor]:
