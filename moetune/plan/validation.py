@@ -41,6 +41,8 @@ class Measured:
     note: str = ""
     fitted: tuple[str, ...] = field(default=())
     """Calibration constants fitted to this measurement (its prediction is then no test)."""
+    memory_note: str = ""
+    """Why the memory prediction is not held to the documented tolerance here (``note`` is the step time's)."""
 
 
 def predict(m: Measured) -> dict[str, Any]:

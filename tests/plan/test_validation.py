@@ -1,6 +1,6 @@
 """The planner against what was measured on GPUs (benchmarks/plan_validation.py, the recorded files of
 benchmarks/results/): the tolerances docs/planning.md states, for every recorded setting the model
-claims (rows with a note say why they are not held to it)."""
+claims (rows with a note, or a memory note, say why they are not held to it)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_memory_within_10_percent_up_to_64k_tokens_and_15_beyond(rows):
     for row in rows:
         m, p = row["measured"], row["planned"]
         error = p.get("peak_error", p.get("reserved_error"))
-        if error is None:
+        if error is None or m["memory_note"]:
             continue
         limit = 0.10 if m["seq_len"] <= 65536 and not m["cuda_graph"] else 0.15
         assert abs(error) <= limit, (m["source"], m["seq_len"], error)
