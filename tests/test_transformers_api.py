@@ -231,3 +231,17 @@ def test_peft_adapter_trained_on_moetune_loads_onto_transformers(family, tmp_pat
         loaded = peft.PeftModel.from_pretrained(plain, tmp_path / "adapter").eval()
         assert rel_err(base[keep], adapted[keep]) > 1e-2  # the adapters matter, so a dropped one would show
         assert rel_err(loaded(input_ids=ids, attention_mask=mask).logits[keep], adapted[keep]) < TOL
+
+
+def test_generate_keeps_the_experts_backend_on_gpus(monkeypatch):
+    """Transformers' generate() switches grouped_mm experts to its batched_mm kernel while decoding on
+    a GPU; moetune's experts keep their backend, without the warning a user's own switch gets."""
+    import warnings
+
+    model = moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config())
+    before = model.get_experts_implementation()
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with model._optimize_model_for_decode():
+            assert model.get_experts_implementation() == before

@@ -16,6 +16,7 @@ parents, so that code written for Transformers' classes finds the same API on mo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -97,6 +98,13 @@ class MoetunePreTrainedMixin:
         ...) are for its own experts modules and keep moetune's (with a warning)."""
         super().set_experts_implementation(experts_implementation)
         self._apply_experts_implementation(warn=True)
+
+    @contextlib.contextmanager
+    def _optimize_model_for_decode(self):
+        """Transformers' ``generate`` switches ``grouped_mm`` experts to ``batched_mm`` for decoding on
+        GPUs, a kernel of its own experts modules that moetune's experts would refuse with a warning on
+        every call: moetune's experts keep their backend, which decodes with the same grouped GEMM."""
+        yield
 
     def post_init(self) -> None:
         super().post_init()
