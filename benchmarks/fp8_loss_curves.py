@@ -2,8 +2,10 @@
 
     python benchmarks/fp8_loss_curves.py bf16=run_bf16/metrics.jsonl fp8=run_fp8/metrics.jsonl --out curves.png
 
-Prints each run's final logged training loss and validation loss and their relative differences
-to the first run's; writes the plot (matplotlib) when it is installed.
+Prints each run's final logged training loss and validation loss, and the mean of its last
+``--tail`` logged training losses, with their relative differences to the first run's; writes the plot
+(matplotlib) when it is installed. Two runs of the first setting with different seeds show how far
+one run's end lies from another's without any change of precision: the yardstick for the others.
 """
 
 from __future__ import annotations
@@ -24,10 +26,16 @@ def _read(path: str) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     return train, validation
 
 
+def _tail_mean(train: list[tuple[int, float]], count: int) -> float:
+    last = [loss for _, loss in train[-count:]]
+    return sum(last) / len(last)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("runs", nargs="+", metavar="LABEL=METRICS_JSONL")
     parser.add_argument("--out", default="loss_curves.png")
+    parser.add_argument("--tail", type=int, default=10, help="logged training losses averaged at the end")
     args = parser.parse_args()
     paths = {label: path for label, _, path in (item.partition("=") for item in args.runs)}
     missing = [f"{label}={path}" for label, path in paths.items() if not Path(path).is_file()]
@@ -36,9 +44,12 @@ def main() -> None:
     runs = {label: _read(path) for label, path in paths.items()}
     first = next(iter(runs))
     base_train, base_val = runs[first][0][-1][1], (runs[first][1][-1][1] if runs[first][1] else None)
+    base_tail = _tail_mean(runs[first][0], args.tail)
     for label, (train, validation) in runs.items():
         line = f"{label}: {len(train)} logged points, final train loss {train[-1][1]:.4f} at step {train[-1][0]}"
         line += f" ({100 * (train[-1][1] / base_train - 1):+.2f}% vs {first})"
+        tail = _tail_mean(train, args.tail)
+        line += f", mean of the last {min(args.tail, len(train))} {tail:.4f} ({100 * (tail / base_tail - 1):+.2f}%)"
         if validation:
             line += f", validation loss {validation[-1][1]:.4f}"
             if base_val:

@@ -62,7 +62,10 @@ def rows_mm(
         if dense and cublas_takes_mm(settings, out_features=b_ECK.shape[1], in_features=b_ECK.shape[2]):
             out = _cublas_mm(a_NK, a_scale, b_ECK[0], b_scale[0], blockwise=settings.blockwise, fast_accum=fast_accum)
             return out.to(out_dtype)
-        if not settings.blockwise and _torch_grouped_applies(a_NK):
+        # CUTLASS's grouped GEMM only with fast accumulation (the forward): without it (the input
+        # gradient) it ran at a third of moetune's Triton kernel on an H100 (0.97 against 0.31 ms at
+        # Qwen3-30B-A3B's shapes; forward 0.29 against 0.28; benchmarks/results/h100_20261207_aa8c3d1/fp8/).
+        if not settings.blockwise and fast_accum and _torch_grouped_applies(a_NK):
             return _scaled_grouped_mm(
                 a_NK, b_ECK.transpose(-2, -1), a_scale.reshape(-1), b_scale.reshape(b_ECK.shape[0], -1),
                 offs=offsets_E, out_dtype=torch.bfloat16, use_fast_accum=fast_accum,
