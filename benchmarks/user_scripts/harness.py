@@ -4,8 +4,9 @@ The scripts in this folder are written as users write them; the benchmark only a
 ``parse_args`` (the checkpoint, tokens, step count and the one import that differs) and
 ``Measurement``, a ``TrainerCallback`` that records, per optimizer step:
 
-- the wall time between the ends of consecutive steps (synchronised: what the user waits for,
-  data loading and the trainer's own work included);
+- the time between the ends of consecutive steps, on the GPU's timeline (CUDA events recorded at
+  each step's end, read once after the run: no synchronisation the user's script would not have;
+  data loading and the trainer's own work included, as gaps where the GPU waits for the host);
 - the real tokens of the step: the attention mask's ones (padded batches) or every token
   (padding-free and fixed-length rows), counted on the device by a forward pre-hook;
 - the model's own loss of each step (exact; the trainer's log rounds it) and the logged loss;
@@ -52,6 +53,8 @@ def parse_args(description: str | None, argv: list[str] | None = None) -> argpar
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--cpu", action="store_true", help="train on the CPU in fp32 (the smoke tests)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--logging-steps", type=int, default=10,
+                        help="TrainingArguments.logging_steps (the Trainer reads the loss on the host at each log)")
     args = parser.parse_args(argv)
     args.bf16 = not args.cpu
     args.dtype = torch.float32 if args.cpu else torch.bfloat16
@@ -64,7 +67,7 @@ def common_training_arguments(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.grad_accum, learning_rate=args.learning_rate, bf16=args.bf16,
-        use_cpu=args.cpu, logging_steps=1, save_strategy="no", report_to=[], seed=args.seed,
+        use_cpu=args.cpu, logging_steps=args.logging_steps, save_strategy="no", report_to=[], seed=args.seed,
         dataloader_num_workers=0, disable_tqdm=True, torch_compile=args.torch_compile,
         torch_compile_backend=args.torch_compile_backend,
     )  # fmt: skip
@@ -99,7 +102,6 @@ class Measurement(TrainerCallback):
 
     def __init__(self, args: argparse.Namespace, *, script: str) -> None:
         self.args, self.script = args, script
-        self.step_ends: list[float] = []
         self.tokens: list[int] = []
         self.losses: list[float] = []
         self.logged_losses: list[float] = []
@@ -110,12 +112,13 @@ class Measurement(TrainerCallback):
         # Replays of CUDA graphs allocate nothing (their memory was taken while capturing, maybe before
         # the reset): the reserved peak, which holds the graphs' pools, is the comparable footprint.
         self._peak_reserved: int | None = None
-        self._start: float | None = None
+        self._start = None  # the mark at the start of training
+        self._steps: list[tuple[dict, Any, Any]] = []  # per step: its marks, real tokens and loss (device tensors)
         self._model = None
         self._optimizer: str | None = None
-        # Where a step's GPU time goes: CUDA events at the step's marks (read after the step's
-        # synchronisation, so they add none), one list of milliseconds per phase.
-        self._marks: dict[str, torch.cuda.Event] = {}
+        # Where a step's GPU time goes: CUDA events at the step's marks (read after the run, so they add
+        # no synchronisation), one list of milliseconds per phase.
+        self._marks: dict[str, Any] = {}
         self.phases_ms: dict[str, list[float]] = {name: [] for name, _, _ in PHASES}
 
     # -- hooks on the model: every micro-batch's tokens and loss, on the device (no synchronisation) --
@@ -142,16 +145,20 @@ class Measurement(TrainerCallback):
             model.register_forward_pre_hook(self._count_tokens, with_kwargs=True),
             model.register_forward_hook(self._record_loss, with_kwargs=True),
         ]
-        _synchronize()
-        self._start = time.perf_counter()
+        self._start = self._new_mark()
+
+    def _new_mark(self):
+        if torch.cuda.is_available() and not self.args.cpu:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return _HostMark()
 
     # The "forward" mark is set from a hook inside the model's forward, which torch.compile
     # (TrainingArguments(torch_compile=True)) would trace: an event recorded at tracing time only.
     @torch.compiler.disable
     def _mark(self, name: str) -> None:
-        if torch.cuda.is_available() and not self.args.cpu:
-            self._marks[name] = event = torch.cuda.Event(enable_timing=True)
-            event.record()
+        self._marks[name] = self._new_mark()
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._marks = {}
@@ -165,16 +172,10 @@ class Measurement(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._mark("end")
-        _synchronize()
-        self.step_ends.append(time.perf_counter())
-        for name, start, stop in PHASES:
-            marks = self._marks
-            self.phases_ms[name].append(marks[start].elapsed_time(marks[stop]) if start in marks and stop in marks else None)
-        self.tokens.append(int(self._counted.item()) if self._counted is not None else 0)
-        self.losses.append(float(self._loss.item()) / max(1, self.args.grad_accum) if self._loss is not None else float("nan"))
+        self._steps.append((self._marks, self._counted, self._loss))  # read after the run
         self._counted = self._loss = None
-        if len(self.step_ends) == self.args.warmup_steps and torch.cuda.is_available() and not self.args.cpu:
-            torch.cuda.reset_peak_memory_stats()
+        if len(self._steps) == self.args.warmup_steps and torch.cuda.is_available() and not self.args.cpu:
+            torch.cuda.reset_peak_memory_stats()  # the allocator's own counters, on the host: no synchronisation
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
@@ -183,15 +184,28 @@ class Measurement(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         for handle in self._handles:
             handle.remove()
+        self._read_steps()
         if torch.cuda.is_available() and not self.args.cpu:
             self._peak = torch.cuda.max_memory_allocated()
             self._peak_reserved = torch.cuda.max_memory_reserved()
         Path(self.args.result).parent.mkdir(parents=True, exist_ok=True)
         Path(self.args.result).write_text(json.dumps(self.summary(), indent=1) + "\n")
 
+    def _read_steps(self) -> None:
+        """Every step's times, tokens and loss, read once the run is over (one synchronisation)."""
+        _synchronize()
+        previous_end = self._start
+        self.step_s: list[float] = []
+        for marks, counted, loss in self._steps:
+            self.step_s.append(previous_end.elapsed_time(marks["end"]) / 1e3)
+            previous_end = marks["end"]
+            for name, start, stop in PHASES:
+                self.phases_ms[name].append(marks[start].elapsed_time(marks[stop]) if start in marks and stop in marks else None)
+            self.tokens.append(int(counted.item()) if counted is not None else 0)
+            self.losses.append(float(loss.item()) / max(1, self.args.grad_accum) if loss is not None else float("nan"))
+
     def summary(self) -> dict[str, Any]:
-        ends = [self._start, *self.step_ends]
-        step_s = [b - a for a, b in zip(ends, ends[1:])]
+        step_s = self.step_s
         measured = range(min(self.args.warmup_steps, len(step_s)), len(step_s))
         rates = [self.tokens[i] / step_s[i] for i in measured if step_s[i] > 0]
         total_s = sum(step_s[i] for i in measured)
@@ -231,6 +245,16 @@ def _graph_eager_reason(model) -> str | None:
     """Why moetune's last training forward ran eagerly (None when it replayed, or for Transformers)."""
     runners = [m.__dict__["_training_graphs"] for m in model.modules() if "_training_graphs" in m.__dict__] if model else []
     return next((r.disabled_reason or r.eager_reason for r in runners if r.disabled_reason or r.eager_reason), None)
+
+
+class _HostMark:
+    """A mark of a CPU run (the host's clock: the CPU runs each op as it is issued), read like a CUDA event."""
+
+    def __init__(self) -> None:
+        self.time = time.perf_counter()
+
+    def elapsed_time(self, end: _HostMark) -> float:
+        return (end.time - self.time) * 1e3
 
 
 def _synchronize() -> None:

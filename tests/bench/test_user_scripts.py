@@ -74,6 +74,8 @@ def test_every_script_trains_alike_with_both_imports(compare, tmp_path, padded_p
             assert result["steps"] == 3 and len(result["losses"]) == 3 and all(t > 0 for t in result["tokens"])
             assert result["tokens_per_s_median"] > 0 and result["settings"]["import_from"] == side
             assert result["peak_memory_gib"] is None  # the CPU has no allocator statistics
+            # Every phase of every step marked (read once after the run, as on a GPU).
+            assert all(ms is not None and ms >= 0 for ms in result["phases_ms_median"].values()), result["phases_ms_median"]
         # fp32 on the CPU: the same function, trained the same way
         assert entry["loss_max_rel_diff"] < 1e-4, (name, sides["transformers"]["losses"], sides["moetune"]["losses"])
         assert entry["speedup_median"] > 0
