@@ -95,7 +95,9 @@ def assumptions(plan: Plan) -> list[str]:
         if plan.request.world > plan.request.gpus_per_node:
             notes.append("inter-node bandwidth: assumed one 400 Gb/s NIC per GPU at 80% (not measured here)")
     if plan.request.fp8:
-        notes.append("FP8: ASSUMED 1.4x faster GEMMs and 0.8x activations until measured (calibration fp8_*)")
+        notes.append(f"FP8: GEMM time / {plan.calibration['fp8_gemm_speedup']:g} and activations x "
+                     f"{plan.calibration['fp8_activation_ratio']:g} (calibration fp8_*: fitted to one measured H100 step, "
+                     "where FP8 was slower than bf16; docs/fp8.md)")
     return notes
 
 
@@ -120,7 +122,7 @@ def format_plan(plan: Plan, *, alternatives: int = 3) -> str:
         f"{_count(inventory.trainable_params)} trainable, {len(inventory.layers)} layers, "
         f"{inventory.num_experts} experts) on {r.nodes} x {r.gpus_per_node} {plan.gpu}{memory}",
         f"  sequence {r.seq_len}, {'LoRA rank ' + str(r.lora_rank) if r.lora_rank else 'full fine-tuning'}, "
-        f"{r.precision}" + (", FP8 (assumed)" if r.fp8 else ""),
+        f"{r.precision}" + (", FP8" if r.fp8 else ""),
     ]
     s = best.setting
     verdict = "fits" if best.fits else "DOES NOT FIT"
