@@ -30,10 +30,11 @@ from moetune.models.fp8 import enable_fp8, fp8_layers
 
 
 def _settings(name: str) -> Fp8Settings | None:
+    """``bf16``, or ``recipe[:backend[:weight_grad]]`` (``rowwise:auto:bf16``: bf16 weight gradients)."""
     if name == "bf16":
         return None
-    recipe, _, backend = name.partition(":")
-    return Fp8Settings(recipe, backend or "auto")
+    recipe, backend, weight_grad = (name.split(":") + ["", ""])[:3]
+    return Fp8Settings(recipe, backend or "auto", weight_grad or "fp8")
 
 
 def _profile(bench, ids: torch.Tensor, path: Path, label: str) -> None:

@@ -87,6 +87,9 @@ class MoetuneOptions:
     """With ``fp8``: 'auto' (torch's cuBLAS / CUTLASS FP8 GEMMs where torch has them, moetune's Triton
     GEMMs elsewhere), 'triton' (moetune's Triton GEMMs everywhere) or 'reference' (the plain-PyTorch
     reference, dequantised operands multiplied in fp32: any device, CPU included; for tests)."""
+    fp8_weight_grad: str = "fp8"
+    """With ``fp8``: the weight gradients' GEMM in 'fp8' (quantised along the tokens) or 'bf16' (from the
+    operands as the forward received them; faster at few tokens per expert, and exact gradients)."""
     cuda_graphs: bool = True
     """On CUDA, replay the decoder stack's training forward and backward from CUDA graphs (one pair per
     shape bucket; ``moetune.training.graphed_backbone``) under any training loop (Transformers'
@@ -125,7 +128,7 @@ class MoetuneOptions:
         check_vocab_parallel_option(self.vocab_parallel, dense_parallel=self.dense_parallel)
         from moetune.fp8.settings import fp8_settings
 
-        fp8_settings(self.fp8, self.fp8_backend)  # a ValueError / TypeError naming the field
+        fp8_settings(self.fp8, self.fp8_backend, self.fp8_weight_grad)  # a ValueError / TypeError naming the field
         if not isinstance(self.global_aux_loss, bool):
             raise ValueError(f"global_aux_loss must be True or False, got {self.global_aux_loss!r}")
 
@@ -135,10 +138,10 @@ class MoetuneOptions:
 
     @property
     def fp8_settings(self):
-        """``moetune.fp8.Fp8Settings`` for ``fp8`` / ``fp8_backend``, or None."""
+        """``moetune.fp8.Fp8Settings`` for ``fp8`` / ``fp8_backend`` / ``fp8_weight_grad``, or None."""
         from moetune.fp8.settings import fp8_settings
 
-        return fp8_settings(self.fp8, self.fp8_backend)
+        return fp8_settings(self.fp8, self.fp8_backend, self.fp8_weight_grad)
 
     @property
     def distributed(self) -> bool:

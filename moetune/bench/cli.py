@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --fp8: torch's cuBLAS / CUTLASS FP8 GEMMs where torch has them (auto), moetune's Triton GEMMs, or "
         "the plain-PyTorch reference",
     )
+    p.add_argument(
+        "--fp8-weight-grad", choices=("fp8", "bf16"), default="fp8",
+        help="with --fp8: the weight gradients' GEMM quantised along the tokens (fp8) or from the unquantised operands (bf16)",
+    )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
         "--out", default="benchmarks/results", help="folder for <model>_<hardware>_<date>.json/.png, or a .json path"
@@ -223,7 +227,7 @@ def _moetune_options(args: argparse.Namespace) -> dict[str, Any]:
         except (ValueError, SyntaxError):
             options[key] = value
     if getattr(args, "fp8", None):
-        options.update(fp8=args.fp8, fp8_backend=args.fp8_backend)
+        options.update(fp8=args.fp8, fp8_backend=args.fp8_backend, fp8_weight_grad=args.fp8_weight_grad)
     return options
 
 
@@ -442,7 +446,8 @@ def _bench_side(
 
 def _fp8_suffix(args: argparse.Namespace) -> str:
     """Result files of an FP8 run are named apart from the bf16 run's of the same model and date."""
-    return f"-fp8-{args.fp8}-{args.fp8_backend}" if args.fp8 else ""
+    wgrad = "-bf16wgrad" if getattr(args, "fp8_weight_grad", "fp8") == "bf16" else ""
+    return f"-fp8-{args.fp8}-{args.fp8_backend}{wgrad}" if args.fp8 else ""
 
 
 def _row_line(result: RowResult) -> str:

@@ -32,6 +32,7 @@ from moetune.fp8.gemm import rows_mm, weight_grad
 from moetune.fp8.settings import Fp8Settings, check_fp8_hardware
 from moetune.kernels.fp8_grouped_gemm import _dequantize_along
 from moetune.kernels.fp8_quantize import FP8_DTYPE, column_layout, quantize_blocks, quantize_columns, quantize_rows
+from moetune.kernels.grouped_gemm import grouped_mm, grouped_mm_supported, grouped_weight_grad_reference
 from moetune.kernels.permute import permute_rows, permute_rows_backward
 
 
@@ -80,8 +81,10 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             q, scale = _gather_rows(q, scale, order_N, top_k)
         w_q, w_scale = quantize_weight(w_EOK, settings)
         y = rows_mm(q, scale, w_q, w_scale, offsets_E, settings=settings, out_dtype=x.dtype, fast_accum=not settings.blockwise)
-        # The gathered tokens' source x is kept by the router anyway; ungathered rows only by this layer.
-        saved = (x, None, None) if order_N is not None else (None, q, scale)
+        # The gathered tokens' source x is kept by the router anyway; ungathered rows only by this layer
+        # (in e4m3, unless the weight gradient takes them as they came).
+        keep_input = order_N is not None or settings.weight_grad == "bf16"
+        saved = (x, None, None) if keep_input else (None, q, scale)
         ctx.save_for_backward(*saved, w_EOK, order_N, offsets_E)
         ctx.top_k, ctx.settings, ctx.x_dtype = top_k, settings, x.dtype
         return y
@@ -103,6 +106,8 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if order_N is not None:
                 rows = permute_rows(x, order_N, ctx.top_k, num_valid=num_valid, impl=settings.impl)
+            elif x is not None:
+                rows = x
             else:
                 rows = _dequantize_along(x_q, x_scale, 1).to(ctx.x_dtype)
             dw = _weight_grad(dy_NO, rows, offsets_E, settings=settings, out_dtype=w_EOK.dtype, dense=False)
@@ -140,7 +145,10 @@ class Fp8LinearFunction(torch.autograd.Function):
 
 
 def _weight_grad(dy_NO, x_NK, offsets_E, *, settings: Fp8Settings, out_dtype: torch.dtype, dense: bool) -> torch.Tensor:
-    """[E, O, K]: each group's ``dy^T x``, both quantised along the tokens (on one ``column_layout``)."""
+    """[E, O, K]: each group's ``dy^T x``, both quantised along the tokens (on one ``column_layout``), or
+    with ``weight_grad="bf16"`` from the operands as they are (fp32 accumulation)."""
+    if settings.weight_grad == "bf16":
+        return _unquantised_weight_grad(dy_NO, x_NK.to(dy_NO.dtype), offsets_E, settings=settings).to(out_dtype)
     if offsets_E is None:
         offsets_E = torch.full((1,), x_NK.shape[0], dtype=torch.int32, device=x_NK.device)
     layout = column_layout(offsets_E)
@@ -148,6 +156,18 @@ def _weight_grad(dy_NO, x_NK, offsets_E, *, settings: Fp8Settings, out_dtype: to
     x_q, x_scale, _ = quantize_columns(x_NK, offsets_E, block=settings.block, impl=settings.impl, layout=layout)
     return weight_grad(dy_q, dy_scale, x_q, x_scale, padded_E, layout[1], num_rows=x_NK.shape[0], dense=dense,
                        settings=settings, out_dtype=out_dtype)  # fmt: skip
+
+
+def _unquantised_weight_grad(dy_NO, x_NK, offsets_E, *, settings: Fp8Settings) -> torch.Tensor:
+    """[E, O, K] (one group for a dense layer): ``dy^T x`` per group in the operands' dtype with fp32
+    accumulation (torch's GEMMs on CUDA; the reference loop in fp32 for the reference backend)."""
+    if offsets_E is None:
+        if settings.backend == "reference":
+            dy_NO, x_NK = dy_NO.float(), x_NK.float()
+        return (dy_NO.t() @ x_NK).unsqueeze(0)
+    if settings.backend != "reference" and grouped_mm_supported(x_NK):
+        return grouped_mm(dy_NO.t(), x_NK, offs=offsets_E)
+    return grouped_weight_grad_reference(dy_NO, x_NK, offsets_E)
 
 
 def fp8_grouped_linear(

@@ -16,6 +16,11 @@ FP8_BACKENDS = ("auto", "triton", "reference")
 ``_scaled_grouped_mm`` for rowwise experts on sm90), moetune's Triton GEMMs elsewhere (blockwise
 experts); ``triton``: moetune's Triton GEMMs everywhere; ``reference``: the plain-PyTorch reference
 (dequantised operands multiplied in fp32) on any device, CPU included (tests, numerics checks)."""
+FP8_WEIGHT_GRADS = ("fp8", "bf16")
+"""The weight gradients' GEMM: ``fp8`` (the recipe's quantisation along the tokens), or ``bf16`` (the
+operands as the forward received them, bf16 with fp32 accumulation, as TorchAO's ``rowwise_with_gw_hp``):
+the GEMM the most tokens-per-expert-starved of the three, 2.6x faster in bf16 than in FP8 at
+Qwen3-30B-A3B's shapes on an H100 (docs/fp8.md), and free of quantisation error in the gradients."""
 MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (sm89), Hopper (sm90) and newer."""
 
@@ -26,12 +31,16 @@ class Fp8Settings:
     """One of ``FP8_RECIPES``."""
     backend: str = "auto"
     """One of ``FP8_BACKENDS``."""
+    weight_grad: str = "fp8"
+    """One of ``FP8_WEIGHT_GRADS``."""
 
     def __post_init__(self) -> None:
         if self.recipe not in FP8_RECIPES:
             raise ValueError(f"fp8 must be None or one of {FP8_RECIPES}, got {self.recipe!r}")
         if self.backend not in FP8_BACKENDS:
             raise ValueError(f"fp8_backend must be one of {FP8_BACKENDS}, got {self.backend!r}")
+        if self.weight_grad not in FP8_WEIGHT_GRADS:
+            raise ValueError(f"fp8_weight_grad must be one of {FP8_WEIGHT_GRADS}, got {self.weight_grad!r}")
 
     @property
     def blockwise(self) -> bool:
@@ -50,15 +59,17 @@ class Fp8Settings:
         return "torch" if self.backend == "reference" else "auto"
 
 
-def fp8_settings(fp8: Any, fp8_backend: Any = "auto") -> Fp8Settings | None:
-    """The settings for ``from_pretrained(..., fp8=..., fp8_backend=...)``; None for ``fp8=None``."""
+def fp8_settings(fp8: Any, fp8_backend: Any = "auto", fp8_weight_grad: Any = "fp8") -> Fp8Settings | None:
+    """The settings for ``from_pretrained(..., fp8=..., fp8_backend=..., fp8_weight_grad=...)``; None for
+    ``fp8=None``."""
     if fp8 is None:
-        if fp8_backend != "auto":
-            raise ValueError(f"fp8_backend={fp8_backend!r} needs fp8='rowwise' or 'blockwise' (fp8 is None)")
+        for name, value, default in (("fp8_backend", fp8_backend, "auto"), ("fp8_weight_grad", fp8_weight_grad, "fp8")):
+            if value != default:
+                raise ValueError(f"{name}={value!r} needs fp8='rowwise' or 'blockwise' (fp8 is None)")
         return None
     if not isinstance(fp8, str):
         raise TypeError(f"fp8 must be None or one of {FP8_RECIPES} (a string), got {type(fp8).__name__}")
-    return Fp8Settings(recipe=fp8, backend=fp8_backend)
+    return Fp8Settings(recipe=fp8, backend=fp8_backend, weight_grad=fp8_weight_grad)
 
 
 def fp8_hardware_problem(device: torch.device | None = None) -> str | None:

@@ -29,6 +29,19 @@ import torch
 
 from moetune.kernels._triton_utils import HAS_TRITON, Impl, device_of, next_pow2, tl, triton, use_triton
 
+grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+"""torch's bf16 grouped GEMM (``F.grouped_mm`` where torch has it, ``torch._grouped_mm`` before)."""
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """torch's grouped GEMM: CUDA sm80+, bf16. (CPU has no autograd-safe kernel for fp32 weights.)"""
+    return (
+        grouped_mm is not None
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    )
+
 
 def grouped_rows_mm_reference(
     a: torch.Tensor, b_EKC: torch.Tensor, offsets_E: torch.Tensor, *,

@@ -15,23 +15,22 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.utils import parametrize
 from torch.distributed.tensor import DTensor
+from torch.nn.utils import parametrize
 
-from moetune.kernels import moe_permute, swiglu
+from moetune.fp8.functions import fp8_grouped_linear
+from moetune.kernels import moe_permute, quack_grouped_gemm, swiglu
 from moetune.kernels._triton_utils import Impl
 from moetune.kernels.clamped_swiglu import clamped_swiglu
 from moetune.kernels.expert_bias import add_expert_bias
-from moetune.kernels.grouped_gemm import grouped_rows_mm, grouped_weight_grad
+from moetune.kernels.grouped_gemm import grouped_mm as _grouped_mm
+from moetune.kernels.grouped_gemm import grouped_mm_supported, grouped_rows_mm, grouped_weight_grad
 from moetune.kernels.permute import permute_rows, permute_rows_backward
-from moetune.kernels import quack_grouped_gemm
-from moetune.fp8.functions import fp8_grouped_linear
 from moetune.utils.autocast import cuda_autocast_dtype
 
 if TYPE_CHECKING:
     from moetune.fp8.settings import Fp8Settings
 
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 EXPERTS_BACKENDS = ("auto", "grouped_mm", "triton", "quack", "loop")
 """``auto``: torch's grouped GEMM on CUDA bf16 (fp32 weights under CUDA bf16 autocast included), the
@@ -49,16 +48,6 @@ class ExpertAdapter(NamedTuple):
     a_ERI: torch.Tensor
     b_EOR: torch.Tensor
     scaling: float
-
-
-def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """torch's grouped GEMM: CUDA sm80+, bf16. (CPU has no autograd-safe kernel for fp32 weights.)"""
-    return (
-        _grouped_mm is not None
-        and x.is_cuda
-        and x.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device) >= (8, 0)
-    )
 
 
 def _activation(name: str):

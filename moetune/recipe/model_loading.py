@@ -128,7 +128,7 @@ def build_model(config: ModelConfig, *, model_config: PretrainedConfig, dtype: t
     if config.experts_backend != "auto":  # MoE models only: from_pretrained refuses it for others by name
         kwargs["experts_backend"] = config.experts_backend
     if config.fp8:  # moetune's architectures only: refused for others, and where no FP8 kernel runs
-        kwargs.update(fp8=config.fp8, fp8_backend=config.fp8_backend)
+        kwargs.update(fp8=config.fp8, fp8_backend=config.fp8_backend, fp8_weight_grad=config.fp8_weight_grad)
     if config.pretrained_path:
         placement = sharding if sharding else {"device_map": str(device)}
         model = AutoModelForCausalLM.from_pretrained(config.pretrained_path, config=model_config,

@@ -98,6 +98,50 @@ def test_grouped_linear_matches_fp32_per_expert_within_fp8_error(recipe, gather)
         assert torch.all(x.grad[valid:] == 0)  # padding rows get no gradient
 
 
+@pytest.mark.parametrize("gather", [True, False])
+def test_bf16_weight_gradients_are_the_unquantised_products(gather):
+    """``weight_grad="bf16"``: the experts' and the dense layer's weight gradients are ``dy^T x`` of the
+    unquantised operands, exactly (fp32 here); forward and input gradient stay FP8's."""
+    settings = Fp8Settings("rowwise", "reference", weight_grad="bf16")
+    generator = torch.Generator().manual_seed(3)
+    num_tokens, top_k, hidden, out = 40, 2, 160, 48
+    order, offsets = routed_rows(num_tokens, top_k, [30, 0, 45, 5], generator=generator)
+    rows = num_tokens if gather else num_tokens * top_k + 6
+    x = torch.randn(rows, hidden, generator=generator).requires_grad_()
+    w = torch.randn(4, out, hidden, generator=generator).requires_grad_()
+    y = fp8_grouped_linear(x, w, offsets, settings=settings, gather_order=order if gather else None, top_k=top_k)
+    valid = num_tokens * top_k
+    dy = torch.randn(y.shape, generator=generator)
+    dy[valid:] = 0
+    y.backward(dy)
+    routed = x.detach()[order // top_k] if gather else x.detach()[:valid]
+    ends = offsets.tolist()
+    for expert, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
+        torch.testing.assert_close(w.grad[expert], dy[start:end].t() @ routed[start:end], rtol=1e-5, atol=1e-5)
+    fp8_only = fp8_grouped_linear(x.detach(), w.detach(), offsets, settings=Fp8Settings("rowwise", "reference"),
+                                  gather_order=order if gather else None, top_k=top_k)  # fmt: skip
+    torch.testing.assert_close(y.detach(), fp8_only)  # the forward is FP8's either way
+
+    dense_x = torch.randn(24, hidden, generator=generator).requires_grad_()
+    dense_w = torch.randn(out, hidden, generator=generator).requires_grad_()
+    dense_dy = torch.randn(24, out, generator=generator)
+    fp8_linear(dense_x, dense_w, None, settings=settings).backward(dense_dy)
+    torch.testing.assert_close(dense_w.grad, dense_dy.t() @ dense_x.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_weight_gradients_keep_the_rows_they_read_unquantised():
+    """With bf16 weight gradients the experts' second GEMM keeps its input as it came (as bf16 training
+    does): the weight gradient reads those rows, not their e4m3 copy."""
+    settings = Fp8Settings("rowwise", "reference", weight_grad="bf16")
+    x = torch.randn(512, 256, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(2, 64, 256, dtype=torch.bfloat16, requires_grad=True)
+    offsets = torch.tensor([200, 512], dtype=torch.int32)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        fp8_grouped_linear(x, w, offsets, settings=settings)
+    assert {t.dtype for t in saved if t.shape[0] == 512} == {torch.bfloat16}
+
+
 def test_ungathered_rows_are_kept_for_the_backward_in_fp8():
     """The experts' second GEMM keeps its input (rows only it reads) as e4m3 values and scales:
     about half the bytes of the bf16 rows autograd would keep."""

@@ -137,16 +137,17 @@ def test_block_scaled_dense_linears_run_at_the_shapes_cublas_refused(in_features
 
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_linears_equal_the_reference_backend_without_host_sync(recipe, backend):
+@pytest.mark.parametrize("weight_grad", ["fp8", "bf16"])
+def test_linears_equal_the_reference_backend_without_host_sync(recipe, backend, weight_grad):
     """Forward and both gradients of the dense and the grouped (gathering) FP8 linears against the
-    reference backend, run under ``set_sync_debug_mode('error')``."""
+    reference backend, run under ``set_sync_debug_mode('error')``; with FP8 or bf16 weight gradients."""
     generator = torch.Generator().manual_seed(3)
     order, offsets = routed_rows(TOKENS, TOP_K, _counts(generator), generator=generator, device="cuda")
     x = torch.randn(TOKENS, HIDDEN, generator=generator).to("cuda", torch.bfloat16)
     w_dense = (torch.randn(1024, HIDDEN, generator=generator) * 0.02).to("cuda", torch.bfloat16)
     w_experts = (torch.randn(EXPERTS, 2 * WIDTH, HIDDEN, generator=generator) * 0.02).to("cuda", torch.bfloat16)
     results = {}
-    for settings in (Fp8Settings(recipe, backend), Fp8Settings(recipe, "reference")):
+    for settings in (Fp8Settings(recipe, backend, weight_grad), Fp8Settings(recipe, "reference", weight_grad)):
         inputs = [t.detach().clone().requires_grad_() for t in (x, w_dense, w_experts)]
         if settings.backend != "reference":
             torch.cuda.set_sync_debug_mode("error")

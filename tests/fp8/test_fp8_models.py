@@ -50,6 +50,8 @@ def test_fp8_kernels_refuse_cpu_tensors_at_run_time_naming_the_reference():
         ({"fp8": True}, TypeError, "fp8 must be None or one of"),
         ({"fp8": "rowwise", "fp8_backend": "cublas"}, ValueError, "fp8_backend must be one of"),
         ({"fp8_backend": "reference"}, ValueError, "fp8_backend='reference' needs fp8="),
+        ({"fp8": "rowwise", "fp8_weight_grad": "fp16"}, ValueError, "fp8_weight_grad must be one of"),
+        ({"fp8_weight_grad": "bf16"}, ValueError, "fp8_weight_grad='bf16' needs fp8="),
     ],
 )
 def test_bad_fp8_options_name_the_field(kwargs, error, message):
@@ -83,10 +85,10 @@ def test_the_decoder_linears_and_experts_run_in_fp8_and_the_rest_keeps_its_preci
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("recipe", ["rowwise", "blockwise"])
-def test_each_family_trains_in_fp8_within_two_percent_of_bf16(family, recipe):
+@pytest.mark.parametrize("recipe, weight_grad", [("rowwise", "fp8"), ("blockwise", "fp8"), ("rowwise", "bf16")])
+def test_each_family_trains_in_fp8_within_two_percent_of_bf16(family, recipe, weight_grad):
     """The same weights and batch, bf16 against FP8 (reference backend), four AdamW steps."""
-    bf16, fp8 = bf16_and_fp8_models(family, Fp8Settings(recipe, "reference"))
+    bf16, fp8 = bf16_and_fp8_models(family, Fp8Settings(recipe, "reference", weight_grad=weight_grad))
     batches = token_batches(bf16.config.vocab_size, 1) * 4
     bf16_losses, fp8_losses = train_losses(bf16, batches, lr=3e-3), train_losses(fp8, batches, lr=3e-3)
     assert fp8_losses[-1] < fp8_losses[0]  # it learns
