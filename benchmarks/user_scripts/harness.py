@@ -114,6 +114,7 @@ class Measurement(TrainerCallback):
         self._peak_reserved: int | None = None
         self._start = None  # the mark at the start of training
         self._steps: list[tuple[dict, Any, Any]] = []  # per step: its marks, real tokens and loss (device tensors)
+        self.step_s: list[float] = []  # read from the marks after the run
         self._model = None
         self._optimizer: str | None = None
         # Where a step's GPU time goes: CUDA events at the step's marks (read after the run, so they add
@@ -195,7 +196,6 @@ class Measurement(TrainerCallback):
         """Every step's times, tokens and loss, read once the run is over (one synchronisation)."""
         _synchronize()
         previous_end = self._start
-        self.step_s: list[float] = []
         for marks, counted, loss in self._steps:
             self.step_s.append(previous_end.elapsed_time(marks["end"]) / 1e3)
             previous_end = marks["end"]

@@ -71,23 +71,34 @@ def test_the_recipes_differ_where_one_scale_cannot_hold_the_range():
     assert rel_err(outputs["blockwise"], x[:, 256:]) < FP8_REL_ERR < rel_err(outputs["rowwise"], x[:, 256:])
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("gather", [True, False])
-def test_grouped_linear_matches_fp32_per_expert_within_fp8_error(recipe, gather):
-    """The experts' FP8 GEMMs (with the dispatch gather, or on already-sorted rows with padding rows
-    after the last group) against fp32 per-expert products: outputs and both gradients."""
-    settings = Fp8Settings(recipe, "reference")
-    generator = torch.Generator().manual_seed(2)
-    num_tokens, top_k, hidden, out = 40, 2, 160, 48
+GROUPED_TOKENS, GROUPED_TOP_K = 40, 2
+
+
+def _grouped_backward(settings: Fp8Settings, gather: bool, *, seed: int):
+    """The experts' FP8 linear on 4 experts (one without rows), forward and backward: with the dispatch
+    gather, or on already-sorted rows with 6 padding rows after the last group (their gradient 0).
+    Returns (x, w, y, dy, order, offsets)."""
+    generator = torch.Generator().manual_seed(seed)
+    num_tokens, top_k, hidden, out = GROUPED_TOKENS, GROUPED_TOP_K, 160, 48
     order, offsets = routed_rows(num_tokens, top_k, [30, 0, 45, 5], generator=generator)
     rows = num_tokens if gather else num_tokens * top_k + 6
     x = torch.randn(rows, hidden, generator=generator).requires_grad_()
     w = torch.randn(4, out, hidden, generator=generator).requires_grad_()
     y = fp8_grouped_linear(x, w, offsets, settings=settings, gather_order=order if gather else None, top_k=top_k)
-    valid = num_tokens * top_k
     dy = torch.randn(y.shape, generator=generator)
-    dy[valid:] = 0
+    dy[num_tokens * top_k:] = 0
     y.backward(dy)
+    return x, w, y, dy, order, offsets
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("gather", [True, False])
+def test_grouped_linear_matches_fp32_per_expert_within_fp8_error(recipe, gather):
+    """The experts' FP8 GEMMs (with the dispatch gather, or on already-sorted rows with padding rows
+    after the last group) against fp32 per-expert products: outputs and both gradients."""
+    num_tokens, top_k = GROUPED_TOKENS, GROUPED_TOP_K
+    x, w, y, dy, order, offsets = _grouped_backward(Fp8Settings(recipe, "reference"), gather, seed=2)
+    valid = num_tokens * top_k
     x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     y_ref = grouped_reference(x_ref, w_ref, order if gather else None, offsets, top_k)
     y_ref.backward(dy[:valid])
@@ -103,49 +114,30 @@ def test_bf16_weight_gradients_are_the_unquantised_products(gather):
     """``weight_grad="bf16"``: the experts' and the dense layer's weight gradients are ``dy^T x`` of the
     unquantised operands, exactly (fp32 here); forward and input gradient stay FP8's."""
     settings = Fp8Settings("rowwise", "reference", weight_grad="bf16")
-    generator = torch.Generator().manual_seed(3)
-    num_tokens, top_k, hidden, out = 40, 2, 160, 48
-    order, offsets = routed_rows(num_tokens, top_k, [30, 0, 45, 5], generator=generator)
-    rows = num_tokens if gather else num_tokens * top_k + 6
-    x = torch.randn(rows, hidden, generator=generator).requires_grad_()
-    w = torch.randn(4, out, hidden, generator=generator).requires_grad_()
-    y = fp8_grouped_linear(x, w, offsets, settings=settings, gather_order=order if gather else None, top_k=top_k)
-    valid = num_tokens * top_k
-    dy = torch.randn(y.shape, generator=generator)
-    dy[valid:] = 0
-    y.backward(dy)
-    routed = x.detach()[order // top_k] if gather else x.detach()[:valid]
-    ends = offsets.tolist()
-    for expert, (start, end) in enumerate(zip([0, *ends[:-1]], ends)):
-        torch.testing.assert_close(w.grad[expert], dy[start:end].t() @ routed[start:end], rtol=1e-5, atol=1e-5)
+    top_k = GROUPED_TOP_K
+    x, w, y, dy, order, offsets = _grouped_backward(settings, gather, seed=3)
+    valid = GROUPED_TOKENS * top_k
+    w_ref = w.detach().clone().requires_grad_()
+    grouped_reference(x.detach(), w_ref, order if gather else None, offsets, top_k).backward(dy[:valid])
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
     fp8_only = fp8_grouped_linear(x.detach(), w.detach(), offsets, settings=Fp8Settings("rowwise", "reference"),
                                   gather_order=order if gather else None, top_k=top_k)  # fmt: skip
     torch.testing.assert_close(y.detach(), fp8_only)  # the forward is FP8's either way
 
-    dense_x = torch.randn(24, hidden, generator=generator).requires_grad_()
-    dense_w = torch.randn(out, hidden, generator=generator).requires_grad_()
-    dense_dy = torch.randn(24, out, generator=generator)
+    generator = torch.Generator().manual_seed(4)
+    dense_x = torch.randn(24, x.shape[1], generator=generator).requires_grad_()
+    dense_w = torch.randn(w.shape[1], x.shape[1], generator=generator).requires_grad_()
+    dense_dy = torch.randn(24, w.shape[1], generator=generator)
     fp8_linear(dense_x, dense_w, None, settings=settings).backward(dense_dy)
     torch.testing.assert_close(dense_w.grad, dense_dy.t() @ dense_x.detach(), rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_weight_gradients_keep_the_rows_they_read_unquantised():
-    """With bf16 weight gradients the experts' second GEMM keeps its input as it came (as bf16 training
-    does): the weight gradient reads those rows, not their e4m3 copy."""
-    settings = Fp8Settings("rowwise", "reference", weight_grad="bf16")
-    x = torch.randn(512, 256, dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(2, 64, 256, dtype=torch.bfloat16, requires_grad=True)
-    offsets = torch.tensor([200, 512], dtype=torch.int32)
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        fp8_grouped_linear(x, w, offsets, settings=settings)
-    assert {t.dtype for t in saved if t.shape[0] == 512} == {torch.bfloat16}
-
-
-def test_ungathered_rows_are_kept_for_the_backward_in_fp8():
-    """The experts' second GEMM keeps its input (rows only it reads) as e4m3 values and scales:
-    about half the bytes of the bf16 rows autograd would keep."""
-    settings = Fp8Settings("rowwise", "reference")
+@pytest.mark.parametrize("weight_grad", ["fp8", "bf16"])
+def test_ungathered_rows_are_kept_for_the_backward_as_the_weight_gradient_reads_them(weight_grad):
+    """The experts' second GEMM keeps its input (rows only it reads) as e4m3 values and scales, about half
+    the bytes of the bf16 rows autograd would keep; with bf16 weight gradients, which read the rows
+    themselves, as they came (as bf16 training does)."""
+    settings = Fp8Settings("rowwise", "reference", weight_grad=weight_grad)
     x = torch.randn(512, 256, dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(2, 64, 256, dtype=torch.bfloat16, requires_grad=True)
     offsets = torch.tensor([200, 512], dtype=torch.int32)
@@ -153,5 +145,8 @@ def test_ungathered_rows_are_kept_for_the_backward_in_fp8():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         fp8_grouped_linear(x, w, offsets, settings=settings)
     activations = [t for t in saved if t.shape[0] == 512]
-    assert {t.dtype for t in activations} == {torch.float8_e4m3fn, torch.float32}
-    assert sum(t.numel() * t.element_size() for t in activations) < 0.6 * x.numel() * x.element_size()
+    if weight_grad == "bf16":
+        assert {t.dtype for t in activations} == {torch.bfloat16}
+    else:
+        assert {t.dtype for t in activations} == {torch.float8_e4m3fn, torch.float32}
+        assert sum(t.numel() * t.element_size() for t in activations) < 0.6 * x.numel() * x.element_size()
