@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the backward on a low-priority stream, as soon as its gradient is final (same update, no clipping)",
     )
     p.add_argument(
+        "--max-grad-norm", type=float, default=None,
+        help="clip the gradients to this norm on both sides before each update, as Trainer's max_grad_norm (default 1.0) "
+        "does: torch's clipping on Transformers' side, moetune's (the coefficient handed to its AdamW) on moetune's",
+    )
+    p.add_argument(
         "--moetune-rebalance-experts", action="store_true",
         help="moetune side: relabel each layer's experts so that the expert-parallel ranks get balanced loads, "
         "counted on one calibration sequence per rank (moetune.distributed.placement; the same model function)",
@@ -182,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.moetune_overlap_optimizer and not (args.moetune_cuda_graph and args.moetune_optimizer == "moetune"):
         teardown(env)
         raise SystemExit("--moetune-overlap-optimizer needs --moetune-cuda-graph and --moetune-optimizer moetune")
+    if args.moetune_overlap_optimizer and args.max_grad_norm is not None:
+        teardown(env)
+        raise SystemExit("--moetune-overlap-optimizer updates each parameter before the gradients' norm is known: no --max-grad-norm")
     if args.moetune_cuda_graph and args.moetune_optimizer == "moetune-in-backward":
         teardown(env)
         raise SystemExit("--moetune-cuda-graph cannot capture --moetune-optimizer moetune-in-backward")
@@ -203,8 +211,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     for flag, (value, minimum) in minimums.items():
         if value is not None and value < minimum:
             parser.error(f"{flag} must be >= {minimum}, got {value}")
-    if args.probe_timeout <= 0:
-        parser.error(f"--probe-timeout must be > 0, got {args.probe_timeout}")
+    for flag, value in (("--probe-timeout", args.probe_timeout), ("--max-grad-norm", args.max_grad_norm)):
+        if value is not None and not value > 0:
+            parser.error(f"{flag} must be > 0, got {value}")
     try:
         load_config(args.config)
     except ValueError as error:
@@ -278,6 +287,7 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "moetune_optimizer": args.moetune_optimizer,
             "moetune_cuda_graph": args.moetune_cuda_graph,
             "moetune_overlap_optimizer": args.moetune_overlap_optimizer,
+            "max_grad_norm": args.max_grad_norm,
             "moetune_rebalance_experts": args.moetune_rebalance_experts,
             "moetune_compile": args.moetune_compile,
             "moetune_options": _moetune_options(args),
@@ -438,7 +448,7 @@ def _bench_side(
         bench, rows, env=env, flops_per_token={args.seq_len: data["flops_per_token"]},
         peak_tflops=data["matmul_peak_tflops"], warmup=args.warmup, steps=args.steps, seed=args.seed, lr=args.lr,
         on_result=on_result, moetune_optimizer=args.moetune_optimizer, moetune_cuda_graph=args.moetune_cuda_graph,
-        moetune_overlap_optimizer=args.moetune_overlap_optimizer,
+        moetune_overlap_optimizer=args.moetune_overlap_optimizer, max_grad_norm=args.max_grad_norm,
     )
     del bench
     _free(env)
@@ -447,7 +457,8 @@ def _bench_side(
 def _fp8_suffix(args: argparse.Namespace) -> str:
     """Result files of an FP8 run are named apart from the bf16 run's of the same model and date."""
     wgrad = "-bf16wgrad" if getattr(args, "fp8_weight_grad", "fp8") == "bf16" else ""
-    return f"-fp8-{args.fp8}-{args.fp8_backend}{wgrad}" if args.fp8 else ""
+    clip = f"-clip{args.max_grad_norm:g}" if getattr(args, "max_grad_norm", None) is not None else ""
+    return (f"-fp8-{args.fp8}-{args.fp8_backend}{wgrad}" if args.fp8 else "") + clip
 
 
 def _row_line(result: RowResult) -> str:

@@ -17,6 +17,7 @@ import torch
 from moetune.bench.env import RunEnv, reduce_max
 from moetune.bench.measure import GIB, make_optimizer, measure_steps, peak_memory_bytes, state_bytes
 from moetune.bench.models import BenchModel
+from moetune.distributed.grad_norm import clip_before_update
 
 ROUTINGS = ("real", "balanced")
 
@@ -102,12 +103,14 @@ def run_rows(
     moetune_optimizer: str = "torch",
     moetune_cuda_graph: bool = False,
     moetune_overlap_optimizer: bool = False,
+    max_grad_norm: float | None = None,
 ) -> list[RowResult]:
     """Time every row on one built model with one optimizer (its states persist across rows, as in
     a real run; both sides run the same rows in the same order, so they see the same history).
     ``on_result`` sees each row as soon as it is measured. ``moetune_cuda_graph``: moetune's steps
     replay CUDA graphs (``moetune.training.CUDAGraphTrainStep``), with each parameter's update run
-    during the backward if ``moetune_overlap_optimizer``."""
+    during the backward if ``moetune_overlap_optimizer``. ``max_grad_norm``: the gradients are clipped
+    before each update, in the optimizer's phase (as Trainer's ``max_grad_norm``)."""
     is_moetune = bench.side == "moetune"
     kind = moetune_optimizer if is_moetune else "torch"  # Transformers keeps torch's fused AdamW
     cuda_graph = moetune_cuda_graph and is_moetune
@@ -117,7 +120,7 @@ def run_rows(
         result = RowResult(bench.side, row)
         try:
             _run_row(bench, optimizer, row, result, env=env, warmup=warmup, steps=steps, seed=seed, cuda_graph=cuda_graph,
-                     overlap_optimizer=moetune_overlap_optimizer and is_moetune)  # fmt: skip
+                     overlap_optimizer=moetune_overlap_optimizer and is_moetune, max_grad_norm=max_grad_norm)  # fmt: skip
         except Exception as error:  # noqa: BLE001 -- one failing row must not lose the others
             if env.distributed:  # a failure on one rank leaves the others waiting in a collective
                 raise
@@ -140,6 +143,7 @@ def _run_row(
     bench: BenchModel, optimizer, row: Row, result: RowResult, *, env: RunEnv, warmup: int, steps: int, seed: int,
     cuda_graph: bool = False,
     overlap_optimizer: bool = False,
+    max_grad_norm: float | None = None,
 ) -> None:
     input_ids_BS = tokens(
         vocab_size=bench.config.vocab_size, micro_batch=row.micro_batch, seq_len=row.seq_len,
@@ -153,6 +157,8 @@ def _run_row(
         return loss
 
     def optimizer_step() -> None:
+        if max_grad_norm is not None:
+            clip_before_update([p for p in bench.model.parameters() if p.grad is not None], max_grad_norm, optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -164,7 +170,7 @@ def _run_row(
             raise ValueError(f"the CUDA-graph side needs at least 2 warm-up steps (eager, capture), got {warmup}")
         graphed = CUDAGraphTrainStep(
             bench.model, optimizer, warmup_steps=1, loss_fn=lambda _, b: bench.loss(b["input_ids"]),
-            overlap_optimizer=overlap_optimizer,
+            overlap_optimizer=overlap_optimizer, max_grad_norm=max_grad_norm,
         )
 
         def forward_backward() -> torch.Tensor:

@@ -3,7 +3,7 @@
 from moetune.distributed.allgather_dispatcher import AllGatherExpertParallelDispatcher
 from moetune.distributed.checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
 from moetune.distributed.dispatcher import CapacityExpertParallelDispatcher, ExpertParallelDispatcher, all_to_all
-from moetune.distributed.grad_norm import clip_grad_norm_, scales_gradients, total_grad_norm
+from moetune.distributed.grad_norm import clip_before_update, clip_grad_norm_, scales_gradients, total_grad_norm
 from moetune.distributed.inference import gathered_for_inference
 from moetune.distributed.mesh import FLAT_DIM_NAME, MESH_DIM_NAMES, ParallelMesh, build_mesh, is_sharded_by_moetune
 from moetune.distributed.parallelize import ParallelConfig, parallelize, parallelize_for_options
@@ -22,6 +22,7 @@ __all__ = [
     "ReplicatedGradientSync",
     "all_to_all",
     "build_mesh",
+    "clip_before_update",
     "clip_grad_norm_",
     "gathered_for_inference",
     "is_sharded_by_moetune",

@@ -103,6 +103,18 @@ def clip_grad_norm_(
     return total
 
 
+def clip_before_update(params: list[torch.Tensor], max_norm: float, optimizer: object) -> torch.Tensor:
+    """Clip ``params``' gradients to ``max_norm`` before ``optimizer``'s next step, the cheapest way
+    that gives the same update, with no host synchronisation (capturable); returns the norm. The
+    coefficient goes to an optimizer that scales the gradients as it reads them; moetune's clipping
+    takes gradients sharded on different meshes; torch's foreach clipping the rest."""
+    if scales_gradients(optimizer):
+        return clip_grad_norm_(params, max_norm, optimizer=optimizer)
+    if any(isinstance(p, DTensor) or isinstance(p.grad, DTensor) for p in params):
+        return clip_grad_norm_(params, max_norm)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)  # error_if_nonfinite would sync
+
+
 def scales_gradients(optimizer: object) -> bool:
     """Whether ``optimizer`` can take the clipping coefficient (``clip_grad_norm_(..., optimizer=)``)."""
     return callable(getattr(optimizer, "set_gradient_scale", None))

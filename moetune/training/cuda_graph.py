@@ -115,7 +115,6 @@ class CUDAGraphTrainStep:
         # The gradients' norm measured by the last optimizer step (with max_grad_norm; inf only
         # measures it): a static tensor the optimizer graph writes, to read after optimizer_step().
         self.grad_norm = torch.full((), float("nan"), device=self.params[0].device if self.params else "cpu")
-        self._sharded = any(type(p).__name__ == "DTensor" for p in self.params)
         self.use_graphs = all(p.is_cuda for p in self.params) and torch.cuda.is_available()
         if self.use_graphs:
             _check_capturable(optimizer)
@@ -290,14 +289,9 @@ class CUDAGraphTrainStep:
             self._updated.clear()
             return
         if self.max_grad_norm is not None:
-            from moetune.distributed import clip_grad_norm_, scales_gradients
+            from moetune.distributed import clip_before_update
 
-            if scales_gradients(self.optimizer):  # the coefficient goes to the optimizer's kernel
-                norm = clip_grad_norm_(self.params, self.max_grad_norm, optimizer=self.optimizer)
-            elif self._sharded:  # expert-parallel / FSDP2 DTensors on different meshes: moetune's clipping
-                norm = clip_grad_norm_(self.params, self.max_grad_norm)
-            else:  # foreach: no host synchronisation (error_if_nonfinite would add one).
-                norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
+            norm = clip_before_update(self.params, self.max_grad_norm, self.optimizer)
             self.grad_norm.copy_(norm)
         self.optimizer.step()
 

@@ -39,6 +39,30 @@ def test_bench_tiny_end_to_end(tmp_path, capsys):
     assert "tiny-2l" in summarize([str(path)])
 
 
+@pytest.mark.parametrize("moetune_optimizer", ["torch", "moetune"])
+def test_max_grad_norm_clips_both_sides_before_each_update(tmp_path, moetune_optimizer):
+    """Clipped to a norm far below AdamW's epsilon, the update all but vanishes on both sides: the
+    second step's loss (same tokens) equals the first; unclipped, the step moves it."""
+    losses = {}
+    for clip in (None, "1e-12"):
+        out = tmp_path / str(clip)
+        flags = ["--max-grad-norm", clip] if clip else []
+        code = main(["--config", "tiny", "--layers", "2", "--seq-len", "32", "--steps", "2", "--warmup", "0",
+                     "--routing", "real", "--lr", "1e-2", "--moetune-optimizer", moetune_optimizer, "--device", "cpu",
+                     "--no-chart", "--out", str(out), *flags])  # fmt: skip
+        assert code == 0
+        [path] = out.glob("*.json")
+        data = json.loads(path.read_text())
+        assert data["config"]["max_grad_norm"] == (float(clip) if clip else None)
+        assert path.name.startswith("tiny-2l-clip1e-12_" if clip else "tiny-2l_")
+        losses[clip] = {row["side"]: row["losses"] for row in data["rows"]}
+    for side in ("hf", "moetune"):
+        first, second = losses["1e-12"][side]
+        assert second == pytest.approx(first, rel=1e-5)
+        first, second = losses[None][side]
+        assert abs(second - first) > 1e-3
+
+
 def test_parity_only_passes_on_tiny(tmp_path, capsys):
     code = main(["--config", "tiny", "--parity-only", "--parity-layers", "2", "--parity-seq-len", "32",
                  "--device", "cpu", "--out", str(tmp_path)])
@@ -219,6 +243,7 @@ def test_the_commit_named_by_the_caller_wins_over_git(monkeypatch):
         (["--config", "no_such_model"], "neither a shipped config"),
         (["--device", "gpu0"], "--device must be auto, cpu, cuda or cuda:N"),
         (["--summarize", "no_such_result.json"], "no such result file"),
+        (["--max-grad-norm", "0"], "--max-grad-norm must be > 0"),
     ],
 )
 def test_bad_flags_stop_with_a_usage_error_before_building(tmp_path, capsys, monkeypatch, flags, message):
