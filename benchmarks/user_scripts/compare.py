@@ -56,6 +56,9 @@ SCRIPTS: dict[str, Script] = {
                                            baseline="trainer_rows"),  # fmt: skip
     # TrainingArguments(torch_compile=True) on moetune's side, against its eager trainer_rows.
     "trainer_rows_compile": Script("trainer_rows.py", "rows", ("--torch-compile",), sides=("moetune",), baseline="trainer_rows"),
+    # Script 1 with the one setting docs/trainer_and_trl.md suggests, on both sides:
+    # TrainingArguments(accelerator_config={"non_blocking": True}).
+    "trainer_rows_non_blocking": Script("trainer_rows.py", "rows", ("--non-blocking",)),
 }
 
 

@@ -50,6 +50,8 @@ def parse_args(description: str | None, argv: list[str] | None = None) -> argpar
     parser.add_argument("--torch-compile", action="store_true", help="TrainingArguments(torch_compile=True)")
     parser.add_argument("--moetune-trainer", action="store_true", help="with --import-from moetune: moetune's Trainer too")
     parser.add_argument("--torch-compile-backend", default=None)
+    parser.add_argument("--non-blocking", action="store_true",
+                        help="TrainingArguments(accelerator_config={'non_blocking': True}): batches copied without blocking the host")
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--cpu", action="store_true", help="train on the CPU in fp32 (the smoke tests)")
     parser.add_argument("--seed", type=int, default=0)
@@ -70,6 +72,7 @@ def common_training_arguments(args: argparse.Namespace) -> dict[str, Any]:
         use_cpu=args.cpu, logging_steps=args.logging_steps, save_strategy="no", report_to=[], seed=args.seed,
         dataloader_num_workers=0, disable_tqdm=True, torch_compile=args.torch_compile,
         torch_compile_backend=args.torch_compile_backend,
+        **({"accelerator_config": {"non_blocking": True}} if args.non_blocking else {}),
     )  # fmt: skip
 
 

@@ -16,7 +16,9 @@ On one CUDA device, for a model that holds a moetune decoder stack (also inside 
   clipping coefficient to that AdamW, which applies it as it reads each gradient, instead of a
   pass that reads and writes every gradient;
 - forward and backward replay CUDA graphs, as with the model import alone
-  (``moetune.training.graphed_backbone``).
+  (``moetune.training.graphed_backbone``);
+- batches are copied to the GPU without blocking the host (accelerate's ``non_blocking``, with
+  ``dataloader_pin_memory``, the default), so the host queues the next step while the GPU runs this one.
 Any other model, optimizer or device: Transformers' ``Trainer`` unchanged.
 
 A model loaded with ``ep_size`` / ``device_mesh`` under torchrun shards itself (expert parallelism plus
@@ -76,6 +78,12 @@ class MoetuneTrainerMixin:
             return clip(list(parameters), max_norm, optimizer=self._moetune_optimizer)
 
         accelerator.clip_grad_norm_ = clip_grad_norm_
+        if self.args.dataloader_pin_memory and (self._moetune_parallel or _on_one_cuda_device_with_moetune(self.model)):
+            # Batches come from pinned memory: copied to the GPU without blocking the host, which then
+            # queues the next step's replays while the GPU still runs this step's optimizer. A blocking
+            # copy (accelerate's default) waits for the GPU to finish, leaving it idle while the host
+            # prepares the next step (3-4 ms of an 88 ms Qwen3-30B-A3B 8-layer step on an H100).
+            accelerator.dataloader_config.non_blocking = True
         if not self._moetune_parallel:
             return
         if self.args.load_best_model_at_end:
@@ -93,8 +101,7 @@ class MoetuneTrainerMixin:
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        one_gpu = _holds_moetune_stack(self.model) and _trainable_on_one_cuda_device(self.model)
-        if (self._moetune_parallel or one_gpu) and _plain_torch_adamw(self.optimizer):
+        if (self._moetune_parallel or _on_one_cuda_device_with_moetune(self.model)) and _plain_torch_adamw(self.optimizer):
             from moetune.optim import AdamW
 
             torch_adamw = self.optimizer
@@ -172,6 +179,10 @@ def sft_trainer_class() -> type:
 def _holds_moetune_stack(model: torch.nn.Module) -> bool:
     """Whether ``model`` (possibly inside PEFT's or another wrapper) holds a moetune decoder stack."""
     return any(hasattr(type(module), "cuda_graph_training") for module in model.modules())
+
+
+def _on_one_cuda_device_with_moetune(model: torch.nn.Module) -> bool:
+    return _holds_moetune_stack(model) and _trainable_on_one_cuda_device(model)
 
 
 def _trainable_on_one_cuda_device(model: torch.nn.Module) -> bool:

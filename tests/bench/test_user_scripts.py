@@ -54,7 +54,8 @@ def padded_plans(monkeypatch):
 
 
 def test_every_script_trains_alike_with_both_imports(compare, tmp_path, padded_plans):
-    scripts = ["trainer_rows", "sft_padded", "sft_packing", "sft_padding_free", "sft_lora", "trainer_rows_moetune_trainer"]
+    scripts = ["trainer_rows", "sft_padded", "sft_packing", "sft_padding_free", "sft_lora", "trainer_rows_moetune_trainer",
+               "trainer_rows_non_blocking"]
     argv = ["--cpu", "--in-process", "--layers", "2", "--max-steps", "3", "--warmup-steps", "1", "--seq-len", "48",
             "--chat-lengths", "6,40", "--num-chat", "24", "--out", str(tmp_path), "--scripts", ",".join(scripts),
             "--extra=--lora-rank=4"]  # fmt: skip

@@ -98,6 +98,25 @@ def test_moetune_trainer_is_transformers_trainer_for_unsharded_models(tmp_path):
     assert losses["moetune"] == losses["transformers"]
 
 
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_moetune_trainer_copies_pinned_batches_without_blocking_on_one_gpu(tmp_path, monkeypatch, pin_memory):
+    """On one GPU (pretended here) the host must not wait for each step's optimizer before copying the
+    next batch; Transformers' Trainer keeps accelerate's blocking copy, and so does moetune's without
+    pinned memory (a non-blocking copy from pageable memory is not asynchronous)."""
+    import moetune
+    from moetune.integrations import trainer as integration
+
+    monkeypatch.setattr(integration, "_trainable_on_one_cuda_device", lambda model: True)
+    model = build_moetune_model(tiny_qwen3_moe_config())
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    args.dataloader_pin_memory = pin_memory  # use_cpu turns it off; on a GPU it is on by default
+    ours = moetune.Trainer(model=model, args=args, train_dataset=_dataset())
+    theirs = transformers.Trainer(model=model, args=args, train_dataset=_dataset())
+    assert ours.accelerator.dataloader_config.non_blocking is pin_memory
+    assert theirs.accelerator.dataloader_config.non_blocking is False
+    assert args.accelerator_config.non_blocking is False  # the user's arguments are left as they were
+
+
 def test_trainer_resumes_a_full_finetune_exactly(tmp_path):
     """``resume_from_checkpoint`` reads the checkpoint's model.safetensors (experts in the Hub's
     per-expert layout, as ``save_pretrained`` writes them) through ``model.load_state_dict``: the
