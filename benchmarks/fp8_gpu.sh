@@ -8,18 +8,19 @@
 #                (backend auto) on the same model, real routing, seq 4096: Qwen3-30B-A3B (8 layers,
 #                eager and graphed, with one profiled step per setting), GPT-OSS-20B, Nemotron 3 Nano,
 #                Moonlight-16B-A3B (4 layers each)
-#   4. ft_*      the default job (moetune/assets/default) for FT_STEPS (1200) steps in bf16 (twice: its
-#                seed and another, the run-to-run yardstick) and in FP8 (rowwise), bf16 weights,
-#                CUDA-graph steps, loss logged every 10 steps; curves side by side when the runs wrote
-#                their metrics (400 steps ended inside the task's sharp drop, where two bf16 runs on
-#                different hardware ended 75% apart: benchmarks/results/h100_20261207_aa8c3d1/NOTE.md)
+#   4. ft_*      the default job (moetune/assets/default) for FT_STEPS (1200) steps in bf16, FP8 rowwise
+#                and FP8 rowwise with bf16 weight gradients, each at the seeds FT_SEEDS ("1234 4321 7": the
+#                spread of bf16's runs is the yardstick), bf16 weights, CUDA-graph steps, loss logged every
+#                10 steps; the settings' curves (mean of the seeds, their range shaded) side by side
+#                (one run each ends inside the task's sharp drop or at losses near zero, where two bf16
+#                seeds end 3x apart: benchmarks/results/h100_20261207_6ee4d12/NOTE.md)
 #   5. probe     benchmarks/fp8_probe.py: one MoE layer's experts and a dense linear at Qwen3 shapes,
 #                bf16 against each FP8 setting, then each FP8 piece (quantisers, GEMMs) alone
 #   6. gputests_models  tests/fp8 -m gpu, the rest: the four families' tiny models within 2% of bf16,
 #                CUDA-graph replay (slow to compile: after the measurements)
 # Logs and results go to $R ($OUT/r) and are packed into $OUT/fp8_results.tar.gz; $OUT/summary.txt has
 # each stage's tail. BUDGET (seconds, default 540): no stage starts after it, each is cut to what is
-# left. STAGES="steps probe" runs only the stages named.
+# left. STAGES="steps probe" runs only the stages named ("ft": all the fine-tunes).
 #
 #   OUT=/some/dir bash benchmarks/fp8_gpu.sh
 set -u
@@ -31,7 +32,7 @@ BUDGET=${BUDGET:-540}
 START=$(date +%s)
 
 log() { echo "[$(($(date +%s) - START))s] $*" | tee -a "$OUT/summary.txt"; }
-selected() { [ -z "${STAGES:-}" ] || [[ " $STAGES " == *" $1 "* ]]; }
+selected() { [ -z "${STAGES:-}" ] || [[ " $STAGES " == *" $1 "* || " $STAGES " == *" ${1%%_*} "* ]]; }  # "ft": every ft_* stage
 stage() {
   local name=$1 limit=$2 left rc
   shift 2
@@ -61,18 +62,23 @@ TAIL=30 stage steps 150 python3 benchmarks/fp8_step_bench.py \
 FT_STEPS=${FT_STEPS:-1200}
 FT=(python3 -m moetune.cli finetune --training.steps "$FT_STEPS" --metrics.log_every 10 --metrics.progress_bar false
     --training.precision bf16 --data.num_eval_samples 50 --training.val_every 100 --metrics.plots false)
-FT_LIMIT=$((30 + FT_STEPS / 10))  # 400 graphed steps took 28 s on an H100, FP8 19 s
-stage ft_bf16 $FT_LIMIT "${FT[@]}" --training.cuda_graph true --training.output_dir "$R/ft_bf16"
-stage ft_bf16_seed $FT_LIMIT "${FT[@]}" --training.cuda_graph true --training.seed 4321 --training.output_dir "$R/ft_bf16_seed"
-if ! stage ft_fp8 $FT_LIMIT "${FT[@]}" --training.cuda_graph true --model.fp8 rowwise --training.output_dir "$R/ft_fp8"; then
-  stage ft_fp8_eager $((FT_LIMIT + 10)) "${FT[@]}" --training.cuda_graph false --model.fp8 rowwise --training.output_dir "$R/ft_fp8"
-fi
-if [ -s "$R/ft_bf16/metrics.jsonl" ] && [ -s "$R/ft_fp8/metrics.jsonl" ]; then
-  SEEDED=(); [ -s "$R/ft_bf16_seed/metrics.jsonl" ] && SEEDED=(bf16_seed4321="$R/ft_bf16_seed/metrics.jsonl")
-  python3 benchmarks/fp8_loss_curves.py bf16="$R/ft_bf16/metrics.jsonl" "${SEEDED[@]}" fp8="$R/ft_fp8/metrics.jsonl" \
-    --tail 20 --out "$R/loss_curves.png" 2>&1 | tee -a "$OUT/summary.txt"
-elif selected ft_bf16 || selected ft_bf16_seed || selected ft_fp8; then
-  log "SKIP loss_curves: a fine-tune wrote no metrics.jsonl ($R/ft_bf16, $R/ft_fp8)"
+FT_LIMIT=$((30 + FT_STEPS / 10))  # 1200 graphed steps took 17-25 s on an H100, bf16 and FP8 alike
+FT_SEEDS=${FT_SEEDS:-"1234 4321 7"}  # the embedded job's seed is 1234; the spread of bf16's seeds is the yardstick
+CURVES=()
+for seed in $FT_SEEDS; do
+  for setting in bf16 fp8 fp8wg; do
+    case $setting in
+      bf16) extra=() ;;
+      fp8) extra=(--model.fp8 rowwise) ;;
+      fp8wg) extra=(--model.fp8 rowwise --model.fp8_weight_grad bf16) ;;
+    esac
+    stage "ft_${setting}_seed$seed" $FT_LIMIT "${FT[@]}" --training.cuda_graph true --training.seed "$seed" "${extra[@]}" \
+      --training.output_dir "$R/ft/${setting}_seed$seed"
+    [ -s "$R/ft/${setting}_seed$seed/metrics.jsonl" ] && CURVES+=("$setting/seed$seed=$R/ft/${setting}_seed$seed/metrics.jsonl")
+  done
+done
+if [ ${#CURVES[@]} -gt 0 ]; then
+  python3 benchmarks/fp8_loss_curves.py "${CURVES[@]}" --tail 20 --out "$R/loss_curves.png" 2>&1 | tee -a "$OUT/summary.txt"
 fi
 TAIL=40 stage probe 45 python3 benchmarks/fp8_probe.py --out "$R/probe.jsonl"
 TAIL=25 stage gputests_models 150 "${PYTEST[@]}" -k "$MODEL_TESTS"

@@ -1,21 +1,28 @@
-"""Training-loss curves of a bf16 and an FP8 fine-tune side by side, from their metrics.jsonl files.
+"""Training-loss curves of bf16 and FP8 fine-tunes side by side, from their metrics.jsonl files.
 
     python benchmarks/fp8_loss_curves.py bf16=run_bf16/metrics.jsonl fp8=run_fp8/metrics.jsonl --out curves.png
+    python benchmarks/fp8_loss_curves.py bf16/seed0=a.jsonl bf16/seed7=b.jsonl fp8/seed0=c.jsonl fp8/seed7=d.jsonl
 
-Prints each run's final logged training loss and validation loss, and the mean of its last
-``--tail`` logged training losses, with their relative differences to the first run's; writes the plot
-(matplotlib) when it is installed. Two runs of the first setting with different seeds show how far
-one run's end lies from another's without any change of precision: the yardstick for the others.
+A label ``SETTING/RUN`` makes the run one of several of that setting (seeds): each setting is then
+summarised over its runs. Prints each run's final logged training loss and validation loss and the
+mean of its last ``--tail`` logged training losses, with their relative differences to the first
+setting's; then, per setting, the mean over its runs of those figures with their range. The spread
+of the first setting's runs (the same precision, another seed) is the yardstick for the others'
+differences. Writes the plot (matplotlib) when it is installed: one curve per setting (the mean of
+its runs' logged losses, their range shaded).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
+Curve = list[tuple[int, float]]
 
-def _read(path: str) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+
+def _read(path: str) -> tuple[Curve, Curve]:
     train, validation = [], []
     for line in Path(path).read_text().splitlines():
         entry = json.loads(line)
@@ -26,35 +33,72 @@ def _read(path: str) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     return train, validation
 
 
-def _tail_mean(train: list[tuple[int, float]], count: int) -> float:
-    last = [loss for _, loss in train[-count:]]
-    return sum(last) / len(last)
+def _tail_mean(train: Curve, count: int) -> float:
+    return statistics.fmean(loss for _, loss in train[-count:])
 
 
-def main() -> None:
+def summarize(runs: dict[str, tuple[Curve, Curve]], tail: int) -> dict[str, dict[str, float]]:
+    """Per setting (the label before ``/``): the mean, minimum and maximum over its runs of the final
+    training loss, the mean of the last ``tail`` logged losses and the final validation loss."""
+    figures: dict[str, dict[str, list[float]]] = {}
+    for label, (train, validation) in runs.items():
+        setting = figures.setdefault(label.split("/", 1)[0], {"final": [], "tail": [], "validation": []})
+        setting["final"].append(train[-1][1])
+        setting["tail"].append(_tail_mean(train, tail))
+        if validation:
+            setting["validation"].append(validation[-1][1])
+    return {
+        name: {f"{key}_{stat}": fn(values) for key, values in setting.items() if values
+               for stat, fn in (("mean", statistics.fmean), ("min", min), ("max", max))}
+        for name, setting in figures.items()
+    }  # fmt: skip
+
+
+def _relative(value: float, base: float) -> str:
+    return f"{100 * (value / base - 1):+.2f}%"
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", metavar="LABEL=METRICS_JSONL")
+    parser.add_argument("runs", nargs="+", metavar="LABEL=METRICS_JSONL", help="LABEL: a setting, or SETTING/RUN")
     parser.add_argument("--out", default="loss_curves.png")
     parser.add_argument("--tail", type=int, default=10, help="logged training losses averaged at the end")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     paths = {label: path for label, _, path in (item.partition("=") for item in args.runs)}
     missing = [f"{label}={path}" for label, path in paths.items() if not Path(path).is_file()]
     if missing:
         parser.error(f"no metrics file for {', '.join(missing)} (did that fine-tune run and log any step?)")
     runs = {label: _read(path) for label, path in paths.items()}
+    empty = [label for label, (train, _) in runs.items() if not train]
+    if empty:
+        parser.error(f"no logged training loss in {', '.join(f'{label}={paths[label]}' for label in empty)}")
     first = next(iter(runs))
     base_train, base_val = runs[first][0][-1][1], (runs[first][1][-1][1] if runs[first][1] else None)
     base_tail = _tail_mean(runs[first][0], args.tail)
     for label, (train, validation) in runs.items():
         line = f"{label}: {len(train)} logged points, final train loss {train[-1][1]:.4f} at step {train[-1][0]}"
-        line += f" ({100 * (train[-1][1] / base_train - 1):+.2f}% vs {first})"
+        line += f" ({_relative(train[-1][1], base_train)} vs {first})"
         tail = _tail_mean(train, args.tail)
-        line += f", mean of the last {min(args.tail, len(train))} {tail:.4f} ({100 * (tail / base_tail - 1):+.2f}%)"
+        line += f", mean of the last {min(args.tail, len(train))} {tail:.4f} ({_relative(tail, base_tail)})"
         if validation:
             line += f", validation loss {validation[-1][1]:.4f}"
             if base_val:
-                line += f" ({100 * (validation[-1][1] / base_val - 1):+.2f}% vs {first})"
+                line += f" ({_relative(validation[-1][1], base_val)} vs {first})"
         print(line)
+    settings = summarize(runs, args.tail)
+    if any("/" in label for label in runs):
+        base = next(iter(settings.values()))
+        for name, figures in settings.items():
+            line = f"setting {name}: over {sum(label.split('/', 1)[0] == name for label in runs)} runs,"
+            for key, what in (("tail", f"mean of the last {args.tail}"), ("validation", "final validation loss")):
+                if f"{key}_mean" in figures:
+                    line += (f" {what} {figures[f'{key}_mean']:.4f} (range {figures[f'{key}_min']:.4f}-"
+                             f"{figures[f'{key}_max']:.4f}; {_relative(figures[f'{key}_mean'], base[f'{key}_mean'])}),")  # fmt: skip
+            print(line.rstrip(","))
+    _plot(runs, args.out)
+
+
+def _plot(runs: dict[str, tuple[Curve, Curve]], out: str) -> None:
     try:
         import matplotlib
 
@@ -63,19 +107,24 @@ def main() -> None:
     except ImportError:
         print("matplotlib is not installed: no plot")
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for label, (train, validation) in runs.items():
-        ax.plot(*zip(*train), label=f"{label} train")
-        if validation:
-            ax.plot(*zip(*validation), "o--", label=f"{label} validation")
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    settings: dict[str, list[Curve]] = {}
+    for label, (train, _) in runs.items():
+        settings.setdefault(label.split("/", 1)[0], []).append(train)
+    for name, curves in settings.items():
+        steps = sorted(set.intersection(*(set(step for step, _ in curve) for curve in curves)))
+        values = [[dict(curve)[step] for curve in curves] for step in steps]
+        (line,) = ax.plot(steps, [statistics.fmean(v) for v in values], label=f"{name} ({len(curves)} run(s), mean)")
+        if len(curves) > 1:
+            ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=line.get_color(), alpha=0.2)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("training loss")
     ax.set_yscale("log")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}")
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

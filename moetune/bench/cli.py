@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
         "does: torch's clipping on Transformers' side, moetune's (the coefficient handed to its AdamW) on moetune's",
     )
     p.add_argument(
+        "--autocast", action="store_true",
+        help="both sides' forwards under torch.autocast to bf16, as Trainer's bf16=True runs them (the parameters stay bf16)",
+    )
+    p.add_argument(
         "--moetune-rebalance-experts", action="store_true",
         help="moetune side: relabel each layer's experts so that the expert-parallel ranks get balanced loads, "
         "counted on one calibration sequence per rank (moetune.distributed.placement; the same model function)",
@@ -288,6 +292,7 @@ def _record(args: argparse.Namespace, env: RunEnv, *, model: str, config, kind: 
             "moetune_cuda_graph": args.moetune_cuda_graph,
             "moetune_overlap_optimizer": args.moetune_overlap_optimizer,
             "max_grad_norm": args.max_grad_norm,
+            "autocast": args.autocast,
             "moetune_rebalance_experts": args.moetune_rebalance_experts,
             "moetune_compile": args.moetune_compile,
             "moetune_options": _moetune_options(args),
@@ -448,7 +453,7 @@ def _bench_side(
         bench, rows, env=env, flops_per_token={args.seq_len: data["flops_per_token"]},
         peak_tflops=data["matmul_peak_tflops"], warmup=args.warmup, steps=args.steps, seed=args.seed, lr=args.lr,
         on_result=on_result, moetune_optimizer=args.moetune_optimizer, moetune_cuda_graph=args.moetune_cuda_graph,
-        moetune_overlap_optimizer=args.moetune_overlap_optimizer, max_grad_norm=args.max_grad_norm,
+        moetune_overlap_optimizer=args.moetune_overlap_optimizer, max_grad_norm=args.max_grad_norm, autocast=args.autocast,
     )
     del bench
     _free(env)
@@ -458,7 +463,8 @@ def _fp8_suffix(args: argparse.Namespace) -> str:
     """Result files of an FP8 run are named apart from the bf16 run's of the same model and date."""
     wgrad = "-bf16wgrad" if getattr(args, "fp8_weight_grad", "fp8") == "bf16" else ""
     clip = f"-clip{args.max_grad_norm:g}" if getattr(args, "max_grad_norm", None) is not None else ""
-    return (f"-fp8-{args.fp8}-{args.fp8_backend}{wgrad}" if args.fp8 else "") + clip
+    autocast = "-autocast" if getattr(args, "autocast", False) else ""
+    return (f"-fp8-{args.fp8}-{args.fp8_backend}{wgrad}" if args.fp8 else "") + clip + autocast
 
 
 def _row_line(result: RowResult) -> str:

@@ -104,13 +104,15 @@ def run_rows(
     moetune_cuda_graph: bool = False,
     moetune_overlap_optimizer: bool = False,
     max_grad_norm: float | None = None,
+    autocast: bool = False,
 ) -> list[RowResult]:
     """Time every row on one built model with one optimizer (its states persist across rows, as in
     a real run; both sides run the same rows in the same order, so they see the same history).
     ``on_result`` sees each row as soon as it is measured. ``moetune_cuda_graph``: moetune's steps
     replay CUDA graphs (``moetune.training.CUDAGraphTrainStep``), with each parameter's update run
     during the backward if ``moetune_overlap_optimizer``. ``max_grad_norm``: the gradients are clipped
-    before each update, in the optimizer's phase (as Trainer's ``max_grad_norm``)."""
+    before each update, in the optimizer's phase (as Trainer's ``max_grad_norm``); ``autocast``: the
+    forwards run under ``torch.autocast`` to bf16 (as Trainer's ``bf16=True``)."""
     is_moetune = bench.side == "moetune"
     kind = moetune_optimizer if is_moetune else "torch"  # Transformers keeps torch's fused AdamW
     cuda_graph = moetune_cuda_graph and is_moetune
@@ -120,7 +122,8 @@ def run_rows(
         result = RowResult(bench.side, row)
         try:
             _run_row(bench, optimizer, row, result, env=env, warmup=warmup, steps=steps, seed=seed, cuda_graph=cuda_graph,
-                     overlap_optimizer=moetune_overlap_optimizer and is_moetune, max_grad_norm=max_grad_norm)  # fmt: skip
+                     overlap_optimizer=moetune_overlap_optimizer and is_moetune, max_grad_norm=max_grad_norm,
+                     autocast=autocast)  # fmt: skip
         except Exception as error:  # noqa: BLE001 -- one failing row must not lose the others
             if env.distributed:  # a failure on one rank leaves the others waiting in a collective
                 raise
@@ -144,6 +147,7 @@ def _run_row(
     cuda_graph: bool = False,
     overlap_optimizer: bool = False,
     max_grad_norm: float | None = None,
+    autocast: bool = False,
 ) -> None:
     input_ids_BS = tokens(
         vocab_size=bench.config.vocab_size, micro_batch=row.micro_batch, seq_len=row.seq_len,
@@ -151,8 +155,14 @@ def _run_row(
     )
     bench.set_activation_checkpointing(row.activation_checkpointing)
 
+    def loss_of(input_ids: torch.Tensor) -> torch.Tensor:
+        if not autocast:
+            return bench.loss(input_ids)
+        with torch.autocast(env.device.type, dtype=torch.bfloat16):
+            return bench.loss(input_ids)
+
     def forward_backward() -> torch.Tensor:
-        loss = bench.loss(input_ids_BS)
+        loss = loss_of(input_ids_BS)
         loss.backward()
         return loss
 
@@ -169,7 +179,7 @@ def _run_row(
         if warmup < 2:
             raise ValueError(f"the CUDA-graph side needs at least 2 warm-up steps (eager, capture), got {warmup}")
         graphed = CUDAGraphTrainStep(
-            bench.model, optimizer, warmup_steps=1, loss_fn=lambda _, b: bench.loss(b["input_ids"]),
+            bench.model, optimizer, warmup_steps=1, loss_fn=lambda _, b: loss_of(b["input_ids"]),
             overlap_optimizer=overlap_optimizer, max_grad_norm=max_grad_norm,
         )
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 
 import pytest
+import torch
 
 from moetune.bench.cli import main
 from moetune.bench.report import summarize
@@ -61,6 +63,22 @@ def test_max_grad_norm_clips_both_sides_before_each_update(tmp_path, moetune_opt
         assert second == pytest.approx(first, rel=1e-5)
         first, second = losses[None][side]
         assert abs(second - first) > 1e-3
+
+
+def test_autocast_runs_both_sides_forwards_under_autocast(tmp_path, monkeypatch):
+    """Trainer's bf16=True runs the forward under torch.autocast: the bench's like-for-like setting."""
+    import moetune.bench.models as models
+
+    seen = []
+    loss = models.BenchModel.loss
+    monkeypatch.setattr(models.BenchModel, "loss", lambda self, ids: seen.append(torch.is_autocast_enabled("cpu")) or loss(self, ids))
+    code = main(["--config", "tiny", "--layers", "2", "--seq-len", "32", "--steps", "1", "--warmup", "0", "--routing", "real",
+                 "--autocast", "--max-grad-norm", "1", "--device", "cpu", "--no-chart", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    [path] = tmp_path.glob("tiny-2l-clip1-autocast_cpu_*.json")
+    data = json.loads(path.read_text())
+    assert data["config"]["autocast"] is True and seen == [True, True]
+    assert all(row["error"] is None and all(map(math.isfinite, row["losses"])) for row in data["rows"])
 
 
 def test_parity_only_passes_on_tiny(tmp_path, capsys):
