@@ -42,7 +42,8 @@ for stage in $STAGES; do
       timeout ${QWEN3_TIMEOUT:-480} python3 benchmarks/user_scripts/compare.py --config qwen3_30b_a3b --layers "$LAYERS" \
         --scripts "$SCRIPTS" --max-steps "$STEPS" --warmup-steps "$WARMUP" --out "$RESULTS/qwen3" --work /tmp/us_work_qwen3 \
         --timeout ${SIDE_TIMEOUT:-150} 2>&1 | grep -v "it/s\]" | tail -40 | tee "$RESULTS/qwen3.log" ;;
-    bench)  # without clipping, and with the Trainer's default max_grad_norm (script 5's update)
+    # bench: without clipping, and with the Trainer's default max_grad_norm (script 5's update)
+    bench)
       for clip in "" "--max-grad-norm 1.0"; do
         timeout ${BENCH_TIMEOUT:-100} python3 -m moetune.bench --layers "$LAYERS" --routing real --sides moetune --moetune-cuda-graph \
           --moetune-optimizer moetune --steps 10 --warmup 3 $clip --out "$RESULTS/bench" 2>&1 | tail -8 | tee -a "$RESULTS/bench.log"
