@@ -12,15 +12,18 @@
 #                and FP8 rowwise with bf16 weight gradients, each at the seeds FT_SEEDS ("1234 4321 7": the
 #                spread of bf16's runs is the yardstick), bf16 weights, CUDA-graph steps, loss logged every
 #                10 steps; the settings' curves (mean of the seeds, their range shaded) side by side
-#                (one run each ends inside the task's sharp drop or at losses near zero, where two bf16
-#                seeds end 3x apart: benchmarks/results/h100_20261207_6ee4d12/NOTE.md)
-#   5. probe     benchmarks/fp8_probe.py: one MoE layer's experts and a dense linear at Qwen3 shapes,
+#                (the task's loss falls to near zero, where bf16's three seeds ended 8x apart:
+#                benchmarks/results/h100_20261207_6ee4d12/NOTE.md; hence stage 5)
+#   5. lm_*      the same three settings and seeds on source text (benchmarks/fp8_text_data.py: the Python
+#                standard library's source, prompt and continuation), LM_STEPS (1200) steps: a loss that
+#                settles above zero, where a 1% difference exceeds the seeds' spread
+#   6. probe     benchmarks/fp8_probe.py: one MoE layer's experts and a dense linear at Qwen3 shapes,
 #                bf16 against each FP8 setting, then each FP8 piece (quantisers, GEMMs) alone
-#   6. gputests_models  tests/fp8 -m gpu, the rest: the four families' tiny models within 2% of bf16,
+#   7. gputests_models  tests/fp8 -m gpu, the rest: the four families' tiny models within 2% of bf16,
 #                CUDA-graph replay (slow to compile: after the measurements)
 # Logs and results go to $R ($OUT/r) and are packed into $OUT/fp8_results.tar.gz; $OUT/summary.txt has
 # each stage's tail. BUDGET (seconds, default 540): no stage starts after it, each is cut to what is
-# left. STAGES="steps probe" runs only the stages named ("ft": all the fine-tunes).
+# left. STAGES="steps probe" runs only the stages named ("ft", "lm": all the fine-tunes of stage 4, 5).
 #
 #   OUT=/some/dir bash benchmarks/fp8_gpu.sh
 set -u
@@ -60,25 +63,45 @@ TAIL=30 stage steps 150 python3 benchmarks/fp8_step_bench.py \
   --settings bf16 rowwise:auto rowwise:auto:bf16 blockwise:auto --graphed qwen3_30b_a3b --profile-config qwen3_30b_a3b \
   --steps 8 --warmup 3 --out "$R/steps.jsonl"
 FT_STEPS=${FT_STEPS:-1200}
-FT=(python3 -m moetune.cli finetune --training.steps "$FT_STEPS" --metrics.log_every 10 --metrics.progress_bar false
+FT=(python3 -m moetune.cli finetune --metrics.log_every 10 --metrics.progress_bar false
     --training.precision bf16 --data.num_eval_samples 50 --training.val_every 100 --metrics.plots false)
 FT_LIMIT=$((30 + FT_STEPS / 10))  # 1200 graphed steps took 17-25 s on an H100, bf16 and FP8 alike
 FT_SEEDS=${FT_SEEDS:-"1234 4321 7"}  # the embedded job's seed is 1234; the spread of bf16's seeds is the yardstick
+set_extra() {  # the recipe flags of a setting: bf16, fp8 (rowwise), fp8wg (rowwise, bf16 weight gradients)
+  case $1 in
+    bf16) extra=() ;;
+    fp8) extra=(--model.fp8 rowwise) ;;
+    fp8wg) extra=(--model.fp8 rowwise --model.fp8_weight_grad bf16) ;;
+  esac
+}
 CURVES=()
 for seed in $FT_SEEDS; do
   for setting in bf16 fp8 fp8wg; do
-    case $setting in
-      bf16) extra=() ;;
-      fp8) extra=(--model.fp8 rowwise) ;;
-      fp8wg) extra=(--model.fp8 rowwise --model.fp8_weight_grad bf16) ;;
-    esac
-    stage "ft_${setting}_seed$seed" $FT_LIMIT "${FT[@]}" --training.cuda_graph true --training.seed "$seed" "${extra[@]}" \
+    set_extra $setting
+    stage "ft_${setting}_seed$seed" $FT_LIMIT "${FT[@]}" --training.steps "$FT_STEPS" --training.cuda_graph true --training.seed "$seed" "${extra[@]}" \
       --training.output_dir "$R/ft/${setting}_seed$seed"
     [ -s "$R/ft/${setting}_seed$seed/metrics.jsonl" ] && CURVES+=("$setting/seed$seed=$R/ft/${setting}_seed$seed/metrics.jsonl")
   done
 done
 if [ ${#CURVES[@]} -gt 0 ]; then
   python3 benchmarks/fp8_loss_curves.py "${CURVES[@]}" --tail 20 --out "$R/loss_curves.png" 2>&1 | tee -a "$OUT/summary.txt"
+fi
+# The same three settings on source text (benchmarks/fp8_text_data.py), whose loss settles above zero:
+# there a 1% difference is larger than the seeds' spread.
+LM_STEPS=${LM_STEPS:-1200}
+if selected lm && python3 benchmarks/fp8_text_data.py --out "$R/text" >>"$OUT/summary.txt" 2>&1; then
+  CURVES=()
+  for seed in $FT_SEEDS; do
+    for setting in bf16 fp8 fp8wg; do
+      set_extra $setting
+      stage "lm_${setting}_seed$seed" $((30 + LM_STEPS / 10)) "${FT[@]}" --training.steps "$LM_STEPS" --training.cuda_graph true \
+        --training.seed "$seed" "${extra[@]}" --data.train_path "$R/text/train.jsonl" --data.test_path "" \
+        --training.output_dir "$R/lm/${setting}_seed$seed"
+      [ -s "$R/lm/${setting}_seed$seed/metrics.jsonl" ] && CURVES+=("$setting/seed$seed=$R/lm/${setting}_seed$seed/metrics.jsonl")
+    done
+  done
+  [ ${#CURVES[@]} -gt 0 ] && python3 benchmarks/fp8_loss_curves.py "${CURVES[@]}" --tail 20 --out "$R/lm_loss_curves.png" 2>&1 \
+    | tee -a "$OUT/summary.txt"
 fi
 TAIL=40 stage probe 45 python3 benchmarks/fp8_probe.py --out "$R/probe.jsonl"
 TAIL=25 stage gputests_models 150 "${PYTEST[@]}" -k "$MODEL_TESTS"

@@ -112,7 +112,7 @@ def _plot(runs: dict[str, tuple[Curve, Curve]], out: str) -> None:
     for label, (train, _) in runs.items():
         settings.setdefault(label.split("/", 1)[0], []).append(train)
     for name, curves in settings.items():
-        steps = sorted(set.intersection(*(set(step for step, _ in curve) for curve in curves)))
+        steps = sorted(set.intersection(*({step for step, _ in curve} for curve in curves)))
         values = [[dict(curve)[step] for curve in curves] for step in steps]
         (line,) = ax.plot(steps, [statistics.fmean(v) for v in values], label=f"{name} ({len(curves)} run(s), mean)")
         if len(curves) > 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -13,6 +14,18 @@ import transformers
 from safetensors.torch import save_file
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark_script(name: str):
+    """``benchmarks/<name>.py`` imported as a module (the benchmarks folder is not a package): its
+    arithmetic is tested here, since the GPU runs that feed it are scarce."""
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_qwen3_moe_config(**overrides) -> transformers.Qwen3MoeConfig:

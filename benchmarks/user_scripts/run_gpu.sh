@@ -8,8 +8,8 @@
 # script on Qwen3-30B-A3B shapes), bench (moetune bench's graphed step, the reference of script 5,
 # without clipping and with max_grad_norm 1.0 as the Trainer clips; each BENCH_TIMEOUT),
 # families (scripts 1-3 on the other shipped configs), family_bench (moetune bench's eager step of
-# each of those configs at FAMILY_LAYERS with torch's AdamW on both sides: the like-for-like ratio
-# the families' script 1 is held to). A stage's failure does not stop the next.
+# each of those configs at FAMILY_LAYERS with torch's AdamW on both sides: the ratio the families'
+# script 1 is held to; then again under autocast with the Trainer's clipping, as script 1 trains). A stage's failure does not stop the next.
 # Wheels for packages the machine lacks (trl, datasets, ...) are installed from $WHEELS if set.
 set -uo pipefail
 OUT=${OUT:?set OUT to a folder for the results}
@@ -55,10 +55,14 @@ for stage in $STAGES; do
           --timeout 120 2>&1 | grep -v "it/s\]" | tail -12 | tee "$RESULTS/$config.log"
         rm -rf /tmp/us_work_$config
       done ;;
+    # family_bench: the bench's default step, then the script's (autocast, the Trainer's clipping)
     family_bench)
       for config in gpt_oss_20b nemotron_3_nano_30b_a3b moonlight_16b_a3b; do
-        timeout ${FAMILY_BENCH_TIMEOUT:-150} python3 -m moetune.bench --config $config --layers "$FAMILY_LAYERS" --routing real \
-          --moetune-optimizer torch --steps 10 --warmup 3 --out "$RESULTS/family_bench" 2>&1 | tail -6 | tee -a "$RESULTS/family_bench.log"
+        for like_the_script in "" "--autocast --max-grad-norm 1.0"; do
+          timeout ${FAMILY_BENCH_TIMEOUT:-75} python3 -m moetune.bench --config $config --layers "$FAMILY_LAYERS" --routing real \
+            --moetune-optimizer torch --steps 10 --warmup 3 $like_the_script --out "$RESULTS/family_bench" 2>&1 | tail -6 \
+            | tee -a "$RESULTS/family_bench.log"
+        done
       done ;;
   esac
   echo "stage $stage: $(( $(date +%s) - start )) s" | tee -a "$RESULTS/stages.txt"

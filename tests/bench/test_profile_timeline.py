@@ -4,21 +4,16 @@ report after a full profiling run)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "profile_ep.py"
+from tests.conftest import load_benchmark_script
 
 
 @pytest.fixture(scope="module")
 def profile_ep():
-    spec = importlib.util.spec_from_file_location("profile_ep", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("profile_ep")
 
 
 def kernel(name, ts, dur, stream):

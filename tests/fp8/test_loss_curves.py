@@ -3,21 +3,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fp8_loss_curves.py"
+from tests.conftest import load_benchmark_script
 
 
 @pytest.fixture(scope="module")
 def curves():
-    spec = importlib.util.spec_from_file_location("fp8_loss_curves", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("fp8_loss_curves")
 
 
 def _metrics(path: Path, losses: list[float], validation: float) -> str:
