@@ -17,13 +17,14 @@ import statistics
 
 import torch
 
+from moetune.bench.timeline import gpu_timeline
+
 
 def build(side: str, args) -> tuple[torch.nn.Module, contextlib.AbstractContextManager]:
     """The side as ``moetune bench`` builds it (same weights from the seed, same attention and experts
     implementations), and the context that sets its routing."""
-    from moetune.bench.models import build_side, load_config
-
     from moetune.bench.lora import lora_settings
+    from moetune.bench.models import build_side, load_config
 
     _, config = load_config(args.config, layers=args.layers)
     lora = lora_settings(args.lora_rank, None, config) if args.lora_rank else None
@@ -117,7 +118,7 @@ def _run(model: torch.nn.Module, side: str, args) -> dict:
             torch.cuda.synchronize()
         print(f"==== {side}: top CUDA kernels of one step (by self CUDA time) ====")
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=90))
-        result.update(gpu_timeline(prof))
+        result.update(gpu_timeline(prof.events()))
         print(f"==== {side}: GPU timeline: {json.dumps({k: v for k, v in result.items() if k.startswith('timeline')})}")
         if args.cpu_profile:
             print(f"==== {side}: top CPU ops of one step ====")
@@ -127,37 +128,6 @@ def _run(model: torch.nn.Module, side: str, args) -> dict:
             for e in sorted(ops, key=lambda e: e.self_device_time_total, reverse=True)[: args.top]:
                 print(f"{e.self_device_time_total / 1e3:9.3f} ms {e.count:5d}  {e.key}  {str(e.input_shapes)[:110]}")
     return result  # the model and optimizer go with this frame (the caller frees them)
-
-
-def gpu_timeline(prof, top: int = 15) -> dict:
-    """Span of the profiled step on the GPU, the time some kernel ran (busy), the idle rest, and
-    where the idle time is: total idle before each kernel name (the kernel that waited)."""
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
-    )
-    if not kernels:
-        return {}
-    busy, idle_before = 0.0, {}
-    cur_start, cur_end, _ = kernels[0]
-    for start, end, name in kernels[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            key = name[:60]
-            idle_before[key] = idle_before.get(key, 0.0) + (start - cur_end) / 1e3
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    span = max(e for _, e, _ in kernels) - kernels[0][0]
-    worst = sorted(idle_before.items(), key=lambda kv: -kv[1])[:top]
-    return {
-        "timeline_span_ms": span / 1e3,
-        "timeline_busy_ms": busy / 1e3,
-        "timeline_idle_ms": (span - busy) / 1e3,
-        "timeline_idle_ms_before": {name: round(ms, 3) for name, ms in worst},
-    }
 
 
 def main() -> None:

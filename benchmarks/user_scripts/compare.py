@@ -281,10 +281,18 @@ def _line(name: str, entry: dict[str, Any]) -> str:
                          + (f", {peak:.1f} GiB" if peak else "")
                          + (f", {result['graph_replays']} graph replays" if result.get("graph_replays") is not None else "")
                          + (f" (eager: {result['graph_eager_reason']})" if result.get("graph_eager_reason") else "")
-                         + _phases(result.get("phases_ms_median")))  # fmt: skip
+                         + _phases(result.get("phases_ms_median"))
+                         + _profiled(result.get("profile")))  # fmt: skip
     if "speedup_median" in entry:
         cells.append(f"x{entry['speedup_median']:.2f} (mean x{entry['speedup_mean']:.2f}), loss diff {entry['loss_max_abs_diff']:.2e}")
     return f"{name}: " + " | ".join(cells)
+
+
+def _profiled(profile: dict[str, Any] | None) -> str:
+    """" {profiled step: GPU busy 80.1 of 85.3 ms}": the profiled step's timeline, when there was one."""
+    if not profile or "timeline_span_ms" not in profile:
+        return ""
+    return f" {{profiled step: GPU busy {profile['timeline_busy_ms']:.1f} of {profile['timeline_span_ms']:.1f} ms}}"
 
 
 def _phases(phases: dict[str, float | None] | None) -> str:

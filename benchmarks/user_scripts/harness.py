@@ -11,6 +11,8 @@ The scripts in this folder are written as users write them; the benchmark only a
   (padding-free and fixed-length rows), counted on the device by a forward pre-hook;
 - the model's own loss of each step (exact; the trainer's log rounds it) and the logged loss;
 - peak memory (``torch.cuda.max_memory_allocated``) since a reset after the warm-up steps;
+- with ``--profile-step``, one step under ``torch.profiler``: the GPU's busy and idle time in it and
+  its kernels by GPU time (that step is left out of tokens/s: the profiler slows the host);
 and writes them, with tokens/s after the warm-up (median and mean) and the run's settings, to
 ``--result`` as JSON.
 """
@@ -55,9 +57,14 @@ def parse_args(description: str | None, argv: list[str] | None = None) -> argpar
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--cpu", action="store_true", help="train on the CPU in fp32 (the smoke tests)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile-step", type=int, default=None,
+                        help="profile this optimizer step (0-based, after the warm-up; left out of tokens/s): the GPU's "
+                        "busy and idle time and the kernels by GPU time, in the result's 'profile'")
     parser.add_argument("--logging-steps", type=int, default=10,
                         help="TrainingArguments.logging_steps (the Trainer reads the loss on the host at each log)")
     args = parser.parse_args(argv)
+    if args.profile_step is not None and not args.warmup_steps <= args.profile_step < args.max_steps:
+        parser.error(f"--profile-step must be a measured step: {args.warmup_steps} to {args.max_steps - 1}, got {args.profile_step}")
     args.bf16 = not args.cpu
     args.dtype = torch.float32 if args.cpu else torch.bfloat16
     return args
@@ -124,6 +131,8 @@ class Measurement(TrainerCallback):
         # no synchronisation), one list of milliseconds per phase.
         self._marks: dict[str, Any] = {}
         self.phases_ms: dict[str, list[float]] = {name: [] for name, _, _ in PHASES}
+        self._profiler = None
+        self.profile: dict[str, Any] | None = None
 
     # -- hooks on the model: every micro-batch's tokens and loss, on the device (no synchronisation) --
 
@@ -165,6 +174,12 @@ class Measurement(TrainerCallback):
         self._marks[name] = self._new_mark()
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.args.profile_step and self._profiler is None and self.profile is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() and not self.args.cpu else [])
+            self._profiler = profile(activities=activities)
+            self._profiler.__enter__()
         self._marks = {}
         self._mark("begin")
 
@@ -176,6 +191,11 @@ class Measurement(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._mark("end")
+        if self._profiler is not None:
+            _synchronize()  # the step's kernels, all of them, inside the profile
+            self._profiler.__exit__(None, None, None)
+            self.profile = _profile_summary(self._profiler)
+            self._profiler = None
         self._steps.append((self._marks, self._counted, self._loss))  # read after the run
         self._counted = self._loss = None
         if len(self._steps) == self.args.warmup_steps and torch.cuda.is_available() and not self.args.cpu:
@@ -209,7 +229,7 @@ class Measurement(TrainerCallback):
 
     def summary(self) -> dict[str, Any]:
         step_s = self.step_s
-        measured = range(min(self.args.warmup_steps, len(step_s)), len(step_s))
+        measured = [i for i in range(min(self.args.warmup_steps, len(step_s)), len(step_s)) if i != self.args.profile_step]
         rates = [self.tokens[i] / step_s[i] for i in measured if step_s[i] > 0]
         total_s = sum(step_s[i] for i in measured)
         return {
@@ -230,12 +250,24 @@ class Measurement(TrainerCallback):
                 name: statistics.median(kept) if measured and None not in (kept := [times[i] for i in measured]) else None
                 for name, times in self.phases_ms.items()
             },
+            "profile": self.profile,
             "graph_replays": _graph_replays(self._model),
             "graph_eager_reason": _graph_eager_reason(self._model),
             "optimizer": self._optimizer,
             "settings": {k: v for k, v in vars(self.args).items() if k != "dtype"} | {"dtype": str(self.args.dtype)},
             "pid": os.getpid(),
         }
+
+
+def _profile_summary(profiler) -> dict[str, Any]:
+    """The profiled step: GPU span, busy and idle milliseconds, where the idle time was, the kernels by
+    GPU time (empty on a CPU), and the host's time in the step."""
+    from moetune.bench.timeline import gpu_timeline, top_kernels
+
+    events = profiler.events()
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    host_ms = (max(e.time_range.end for e in host) - min(e.time_range.start for e in host)) / 1e3 if host else None
+    return {**gpu_timeline(events), "top_kernels": top_kernels(events), "host_span_ms": host_ms}
 
 
 def _graph_replays(model) -> int | None:

@@ -21,6 +21,9 @@ SCRIPTS=${SCRIPTS:-trainer_rows,trainer_rows_moetune_trainer,sft_packing,sft_lor
 FAMILY_SCRIPTS=${FAMILY_SCRIPTS:-trainer_rows,sft_packing}
 FAMILY_LAYERS=${FAMILY_LAYERS:-4}
 RESULTS=${RESULTS:-/tmp/user_scripts_results}
+# PROFILE_STEP: one measured step of every script (qwen3 and families stages) run under torch.profiler:
+# the GPU's busy and idle time and the kernels by GPU time in each side's JSON ("profile").
+PROFILE=(); [ -n "${PROFILE_STEP:-}" ] && PROFILE=("--extra=--profile-step=$PROFILE_STEP")
 mkdir -p "$OUT" "$RESULTS"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
 if [ -n "${WHEELS:-}" ]; then
@@ -41,7 +44,7 @@ for stage in $STAGES; do
     qwen3)
       timeout ${QWEN3_TIMEOUT:-480} python3 benchmarks/user_scripts/compare.py --config qwen3_30b_a3b --layers "$LAYERS" \
         --scripts "$SCRIPTS" --max-steps "$STEPS" --warmup-steps "$WARMUP" --out "$RESULTS/qwen3" --work /tmp/us_work_qwen3 \
-        --timeout ${SIDE_TIMEOUT:-150} 2>&1 | grep -v "it/s\]" | tail -40 | tee "$RESULTS/qwen3.log" ;;
+        --timeout ${SIDE_TIMEOUT:-150} "${PROFILE[@]}" 2>&1 | grep -v "it/s\]" | tail -40 | tee "$RESULTS/qwen3.log" ;;
     # bench: without clipping, and with the Trainer's default max_grad_norm (script 5's update)
     bench)
       for clip in "" "--max-grad-norm 1.0"; do
@@ -52,7 +55,7 @@ for stage in $STAGES; do
       for config in gpt_oss_20b nemotron_3_nano_30b_a3b moonlight_16b_a3b; do
         timeout ${FAMILY_TIMEOUT:-200} python3 benchmarks/user_scripts/compare.py --config $config --layers "$FAMILY_LAYERS" \
           --scripts "$FAMILY_SCRIPTS" --max-steps 30 --warmup-steps 12 --out "$RESULTS/$config" --work /tmp/us_work_$config \
-          --timeout 120 2>&1 | grep -v "it/s\]" | tail -12 | tee "$RESULTS/$config.log"
+          --timeout 120 "${PROFILE[@]}" 2>&1 | grep -v "it/s\]" | tail -12 | tee "$RESULTS/$config.log"
         rm -rf /tmp/us_work_$config
       done ;;
     # family_bench: the bench's default step, then the script's (autocast, the Trainer's clipping)

@@ -90,6 +90,31 @@ def test_every_script_trains_alike_with_both_imports(compare, tmp_path, padded_p
     assert max(padded) <= 2 * 40 and max(packed) <= 2 * 40  # real tokens only: pads are not counted
 
 
+def test_a_profiled_step_is_summarised_and_left_out_of_the_rates(compare, tmp_path):
+    """``--profile-step``: that step runs under torch.profiler (on the CPU: the host's span only, no
+    GPU kernels), its summary lands in the result, and tokens/s is taken over the other steps."""
+    argv = ["--cpu", "--in-process", "--layers", "2", "--max-steps", "4", "--warmup-steps", "1", "--seq-len", "32",
+            "--out", str(tmp_path), "--scripts", "trainer_rows", "--sides", "moetune", "--extra=--profile-step=2"]  # fmt: skip
+    assert compare.main(argv) == 0
+    result = json.loads(next(tmp_path.glob("user_scripts_*.json")).read_text())["scripts"]["trainer_rows"]["sides"]["moetune"]
+    assert result["profile"]["host_span_ms"] > 0 and result["profile"]["top_kernels"] == []
+    tokens, step_s = result["tokens"], result["step_s"]
+    rates = sorted(tokens[i] / step_s[i] for i in (1, 3))  # steps 1 and 3: after the warm-up, not the profiled one
+    assert result["tokens_per_s_median"] == pytest.approx((rates[0] + rates[1]) / 2)
+
+
+def test_a_profile_step_outside_the_measured_steps_is_refused(compare):
+    sys.path.insert(0, str(SCRIPTS_DIR))
+    try:
+        from harness import parse_args
+    finally:
+        sys.path.remove(str(SCRIPTS_DIR))
+    common = ["--import-from", "moetune", "--checkpoint", "c", "--data", "d", "--output-dir", "o", "--result", "r"]
+    with pytest.raises(SystemExit):
+        parse_args(None, [*common, "--max-steps", "5", "--warmup-steps", "2", "--profile-step", "1"])
+    assert parse_args(None, [*common, "--max-steps", "5", "--warmup-steps", "2", "--profile-step", "4"]).profile_step == 4
+
+
 # Packed rows (scripts 3 and 4) only where Transformers keeps the documents apart on the CPU: its
 # GPT-OSS lets packed documents attend to each other (moetune's does not: test_packed_documents.py),
 # its Nemotron-H refuses packed rows without the mamba_ssm kernels.
