@@ -9,7 +9,8 @@ files are read here; the ones its calibration was fitted to are marked ``fitted`
 Measured (``--out``): for each family (Qwen3-30B-A3B, GPT-OSS-20B, Moonlight-16B-A3B for DeepSeek-V3's
 architecture, Nemotron 3 Nano) a few layers, full fine-tuning, eager steps (moetune's AdamW, real
 routing), at sequence lengths 4k-64k with activation checkpointing off, full and selective; peak
-memory (``max_memory_allocated`` after warm-up) and step time next to the planner's prediction for
+memory (``max_memory_allocated`` after warm-up), the memory each forward leaves for the backward
+(the activations the planner counts per layer) and step time next to the planner's prediction for
 the same setting on this GPU. One JSON line per setting on stdout (and in DIR/plan_validation.jsonl),
 then a table. A global time budget (``--budget``) skips what is left rather than overrunning.
 """
@@ -17,6 +18,7 @@ then a table. A global time budget (``--budget``) skips what is left rather than
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -137,6 +139,9 @@ def table(rows: list[dict]) -> str:
             mem_err = f"{100 * p['peak_error']:+.1f}%" if "peak_error" in p else "-"
             if "working_error" in p:
                 mem_err += f" (working {100 * p['working_error']:+.1f}%)"
+            if "forward_saved_error" in p:
+                mem_err += (f" (forward keeps {m['forward_saved_gib']:.2f} / {p['planned_forward_saved_gib']:.2f}, "
+                            f"{100 * p['forward_saved_error']:+.1f}%)")
         fitted = f" fitted: {', '.join(m['fitted'])}" if m.get("fitted") else ""
         note = f" {m['note']}" if m.get("note") else ""
         lines.append(f"| {m['model']} ({m['layers']}) | {m['world']}x {m['gpu']} | {m['seq_len']} | {m['recompute']} | "
@@ -162,6 +167,29 @@ FAMILIES = [  # (shipped config, layers: every kind of layer the family has)
 SETTINGS = [  # (seq_len, recompute), most informative first (the budget cuts the tail)
     (4096, "none"), (16384, "none"), (16384, "full"), (65536, "full"), (16384, "selective"), (65536, "none"),
 ]
+
+
+@contextlib.contextmanager
+def forward_saved_bytes(bench, device):
+    """Each training forward's (loss included) growth of the allocated memory while the block runs: what
+    it keeps for the backward (the CUDA allocator's host-side counter: no synchronisation)."""
+    import torch
+
+    growth: list[int] = []
+    loss = bench.loss
+
+    def measured_loss(input_ids):
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        out = loss(input_ids)
+        if device.type == "cuda" and torch.is_grad_enabled():
+            growth.append(torch.cuda.memory_allocated(device) - before)
+        return out
+
+    bench.loss = measured_loss
+    try:
+        yield growth
+    finally:
+        del bench.loss  # the class's method again
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
@@ -193,8 +221,9 @@ def measure(args: argparse.Namespace) -> list[dict]:
             if recompute == "selective":  # the benchmark's rows switch full checkpointing only
                 enable_activation_checkpointing(bench.model, "selective")
             row = Row("real", 1, seq_len, recompute == "full")
-            [result] = run_rows(bench, [row], env=env, flops_per_token={seq_len: 1.0}, peak_tflops=None, warmup=2,
-                                steps=3, seed=0, lr=1e-5, moetune_optimizer="moetune")
+            with forward_saved_bytes(bench, env.device) as saved:
+                [result] = run_rows(bench, [row], env=env, flops_per_token={seq_len: 1.0}, peak_tflops=None, warmup=2,
+                                    steps=3, seed=0, lr=1e-5, moetune_optimizer="moetune")
             if recompute == "selective":
                 (getattr(bench.model, "activation_checkpointing_disable", None) or bench.model.gradient_checkpointing_disable)()
             if result.error:
@@ -203,7 +232,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 continue
             measured = Measured(model=family, layers=layers, gpu=gpu, seq_len=seq_len, recompute=recompute,
                                 step_s=result.step_s, peak_gib=result.peak_gib, reserved_gib=result.reserved_gib,
-                                state_gib=result.state_gib, source=f"measured {time.strftime('%Y-%m-%d')}")
+                                state_gib=result.state_gib, forward_saved_gib=max(saved, default=0) / 2**30 or None,
+                                source=f"measured {time.strftime('%Y-%m-%d')}")
             [entry] = compare([measured])
             results.append(entry)
             line = json.dumps(entry)

@@ -57,6 +57,9 @@ class MemoryBreakdown:
     """Where in the step the peak falls ("forward end", "backward of layer N", "backward end")."""
     activations_max: float = 0.0
     """The most activation memory at any point of the step (at the peak there may be less)."""
+    forward_saved: float = 0.0
+    """What the forward leaves for the backward: every layer's kept activations and the loss's (the
+    logits' chunk is gone by then); measurable as the allocated memory the forward adds."""
 
     @property
     def peak(self) -> float:
@@ -156,7 +159,8 @@ def memory_breakdown(inventory: Inventory, request: PlanRequest, setting: Settin
     optimizer = state.optimizer if (not first_step or label == "optimizer step") else 0.0
     return MemoryBreakdown(parameters=state.params_allocated + state.buffers, gradients=grads, optimizer=optimizer,
                            activations=acts, communication=comm, cuda_graph_pool=pool, reserve=reserve,
-                           gradients_total=grads_all, peak_stage=label, activations_max=max(s[1] for s in stages))
+                           gradients_total=grads_all, peak_stage=label, activations_max=max(s[1] for s in stages),
+                           forward_saved=sum(kept) + head_kept)
 
 
 def _dispatch_bytes(layer, setting: Setting, act_bytes: int, rows: float | None) -> tuple[float, float]:

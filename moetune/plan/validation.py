@@ -35,6 +35,9 @@ class Measured:
     peak_gib: float | None = None
     reserved_gib: float | None = None
     state_gib: float | None = None
+    forward_saved_gib: float | None = None
+    """The allocated memory a training forward (loss included) added, most over the measured steps: the
+    activations kept for the backward."""
     first_step: bool = False
     """A one-step measurement (the longest-sequence probe): the optimizer's states appear only at its end."""
     source: str = ""
@@ -62,7 +65,10 @@ def predict(m: Measured) -> dict[str, Any]:
         "planned_step_s": time.step, "planned_peak_gib": memory.peak / GIB,
         "planned_activations_gib": memory.activations / GIB, "planned_state_gib": state,
         "planned_reserved_gib": (memory.peak + memory.cuda_graph_pool) / GIB, "peak_stage": memory.peak_stage,
+        "planned_forward_saved_gib": memory.forward_saved / GIB,
     }
+    if m.forward_saved_gib:
+        out["forward_saved_error"] = memory.forward_saved / GIB / m.forward_saved_gib - 1
     if m.step_s:
         out["step_error"] = time.step / m.step_s - 1
     if m.peak_gib is not None and not m.cuda_graph:

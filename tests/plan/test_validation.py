@@ -50,6 +50,20 @@ def test_memory_within_10_percent_up_to_64k_tokens_and_15_beyond(rows):
         assert abs(error) <= limit, (m["source"], m["seq_len"], error)
 
 
+def test_the_planned_forward_saving_is_what_the_backward_keeps():
+    """What the forward leaves for the backward (measured on a GPU as the memory the forward adds):
+    all of it without recompute, the layers' inputs with full recompute; compared when measured."""
+    from moetune.plan.validation import Measured, predict
+
+    none = predict(Measured(model="nemotron_3_nano_30b_a3b", layers=6, gpu="h100", seq_len=16384, forward_saved_gib=8.0))
+    full = predict(Measured(model="nemotron_3_nano_30b_a3b", layers=6, gpu="h100", seq_len=16384, recompute="full"))
+    assert 0 < full["planned_forward_saved_gib"] < none["planned_forward_saved_gib"] < none["planned_peak_gib"]
+    assert none["forward_saved_error"] == pytest.approx(none["planned_forward_saved_gib"] / 8.0 - 1)
+    assert "forward_saved_error" not in full
+    double = predict(Measured(model="nemotron_3_nano_30b_a3b", layers=6, gpu="h100", seq_len=32768))
+    assert double["planned_forward_saved_gib"] == pytest.approx(2 * none["planned_forward_saved_gib"], rel=0.02)
+
+
 def test_the_gpu_script_runs_end_to_end_on_cpu():
     """The GPU measurement's code path (build, run, compare, table), on the CPU with a tiny model."""
     run = subprocess.run(
