@@ -95,7 +95,7 @@ if selected lm && python3 benchmarks/fp8_text_data.py --out "$R/text" >>"$OUT/su
     for setting in bf16 fp8 fp8wg; do
       set_extra $setting
       stage "lm_${setting}_seed$seed" $((30 + LM_STEPS / 10)) "${FT[@]}" --training.steps "$LM_STEPS" --training.cuda_graph true \
-        --training.seed "$seed" "${extra[@]}" --data.train_path "$R/text/train.jsonl" --data.test_path "" \
+        --training.seed "$seed" "${extra[@]}" --data.train_path "$R/text/train.jsonl" --data.test_path "" --data.val_fraction 0.1 \
         --training.output_dir "$R/lm/${setting}_seed$seed"
       [ -s "$R/lm/${setting}_seed$seed/metrics.jsonl" ] && CURVES+=("$setting/seed$seed=$R/lm/${setting}_seed$seed/metrics.jsonl")
     done

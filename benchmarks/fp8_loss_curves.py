@@ -6,7 +6,9 @@
 A label ``SETTING/RUN`` makes the run one of several of that setting (seeds): each setting is then
 summarised over its runs. Prints each run's final logged training loss and validation loss and the
 mean of its last ``--tail`` logged training losses, with their relative differences to the first
-setting's; then, per setting, the mean over its runs of those figures with their range. The spread
+setting's; then, per setting, the mean over its runs of those figures with their range, and each
+setting's differences to the first run by run (the same run name: the same seed, hence the same
+initial weights, data order and validation split), the comparison with the least noise. The spread
 of the first setting's runs (the same precision, another seed) is the yardstick for the others'
 differences. Writes the plot (matplotlib) when it is installed: one curve per setting (the mean of
 its runs' logged losses, their range shaded).
@@ -54,6 +56,24 @@ def summarize(runs: dict[str, tuple[Curve, Curve]], tail: int) -> dict[str, dict
     }  # fmt: skip
 
 
+def paired(runs: dict[str, tuple[Curve, Curve]], tail: int) -> dict[str, dict[str, list[float]]]:
+    """Per setting after the first: its runs' relative differences to the first setting's run of the same
+    name (``bf16/seed7`` against ``fp8/seed7``: the same seed, so the same initial weights, data order
+    and validation split), in the mean of the last ``tail`` logged losses and the final validation loss."""
+    first = next(iter(runs)).split("/", 1)[0]
+    out: dict[str, dict[str, list[float]]] = {}
+    for label, (train, validation) in runs.items():
+        setting, _, run = label.partition("/")
+        base = runs.get(f"{first}/{run}")
+        if setting == first or not run or base is None:
+            continue
+        diffs = out.setdefault(setting, {"tail": [], "validation": []})
+        diffs["tail"].append(_tail_mean(train, tail) / _tail_mean(base[0], tail) - 1)
+        if validation and base[1]:
+            diffs["validation"].append(validation[-1][1] / base[1][-1][1] - 1)
+    return out
+
+
 def _relative(value: float, base: float) -> str:
     return f"{100 * (value / base - 1):+.2f}%"
 
@@ -94,6 +114,15 @@ def main(argv: list[str] | None = None) -> None:
                 if f"{key}_mean" in figures:
                     line += (f" {what} {figures[f'{key}_mean']:.4f} (range {figures[f'{key}_min']:.4f}-"
                              f"{figures[f'{key}_max']:.4f}; {_relative(figures[f'{key}_mean'], base[f'{key}_mean'])}),")  # fmt: skip
+            print(line.rstrip(","))
+        first = next(iter(settings))
+        for name, diffs in paired(runs, args.tail).items():
+            line = f"setting {name} against {first}, run by run (same seed), over {len(diffs['tail'])} pairs:"
+            for key, what in (("tail", f"mean of the last {args.tail}"), ("validation", "final validation loss")):
+                if diffs[key]:
+                    values = diffs[key]
+                    line += (f" {what} {100 * statistics.fmean(values):+.2f}% on average (range {100 * min(values):+.2f}% to "
+                             f"{100 * max(values):+.2f}%),")  # fmt: skip
             print(line.rstrip(","))
     _plot(runs, args.out)
 

@@ -42,6 +42,9 @@ def test_settings_are_summarised_over_their_seeds(curves, tmp_path, capsys):
     assert "setting fp8: over 1 runs, mean of the last 2 0.9000 (range 0.9000-0.9000; -10.00%)" in printed
     assert "final validation loss 0.9000 (range 0.9000-0.9000; +12.50%)" in printed
     assert out.is_file() or "matplotlib is not installed" in printed
+    # fp8/seed1 against bf16/seed1: tail 0.9 / 0.75, validation 0.9 / 0.6
+    assert ("setting fp8 against bf16, run by run (same seed), over 1 pairs: mean of the last 2 +20.00% on average "
+            "(range +20.00% to +20.00%), final validation loss +50.00% on average") in printed
 
 
 def test_a_run_without_logged_losses_is_named(curves, tmp_path, capsys):
