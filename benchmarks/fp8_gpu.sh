@@ -65,43 +65,35 @@ TAIL=30 stage steps 150 python3 benchmarks/fp8_step_bench.py \
 FT_STEPS=${FT_STEPS:-1200}
 FT=(python3 -m moetune.cli finetune --metrics.log_every 10 --metrics.progress_bar false
     --training.precision bf16 --data.num_eval_samples 50 --training.val_every 100 --metrics.plots false)
-FT_LIMIT=$((30 + FT_STEPS / 10))  # 1200 graphed steps took 17-25 s on an H100, bf16 and FP8 alike
+# Each fine-tune may take 30 s + 0.1 s a step (1200 graphed steps took 17-25 s on an H100, bf16 and FP8 alike).
 FT_SEEDS=${FT_SEEDS:-"1234 4321 7"}  # the embedded job's seed is 1234; the spread of bf16's seeds is the yardstick
-set_extra() {  # the recipe flags of a setting: bf16, fp8 (rowwise), fp8wg (rowwise, bf16 weight gradients)
-  case $1 in
-    bf16) extra=() ;;
-    fp8) extra=(--model.fp8 rowwise) ;;
-    fp8wg) extra=(--model.fp8 rowwise --model.fp8_weight_grad bf16) ;;
-  esac
-}
-CURVES=()
-for seed in $FT_SEEDS; do
-  for setting in bf16 fp8 fp8wg; do
-    set_extra $setting
-    stage "ft_${setting}_seed$seed" $FT_LIMIT "${FT[@]}" --training.steps "$FT_STEPS" --training.cuda_graph true --training.seed "$seed" "${extra[@]}" \
-      --training.output_dir "$R/ft/${setting}_seed$seed"
-    [ -s "$R/ft/${setting}_seed$seed/metrics.jsonl" ] && CURVES+=("$setting/seed$seed=$R/ft/${setting}_seed$seed/metrics.jsonl")
-  done
-done
-if [ ${#CURVES[@]} -gt 0 ]; then
-  python3 benchmarks/fp8_loss_curves.py "${CURVES[@]}" --tail 20 --out "$R/loss_curves.png" 2>&1 | tee -a "$OUT/summary.txt"
-fi
-# The same three settings on source text (benchmarks/fp8_text_data.py), whose loss settles above zero:
-# there a 1% difference is larger than the seeds' spread.
-LM_STEPS=${LM_STEPS:-1200}
-if selected lm && python3 benchmarks/fp8_text_data.py --out "$R/text" >>"$OUT/summary.txt" 2>&1; then
-  CURVES=()
+# fine_tunes NAME STEPS [recipe flags...]: the three settings (bf16, fp8: rowwise, fp8wg: rowwise with bf16
+# weight gradients) at every seed as stages NAME_<setting>_seed<seed>, then their curves side by side.
+fine_tunes() {
+  local name=$1 steps=$2 setting seed extra curves=()
+  shift 2
   for seed in $FT_SEEDS; do
     for setting in bf16 fp8 fp8wg; do
-      set_extra $setting
-      stage "lm_${setting}_seed$seed" $((30 + LM_STEPS / 10)) "${FT[@]}" --training.steps "$LM_STEPS" --training.cuda_graph true \
-        --training.seed "$seed" "${extra[@]}" --data.train_path "$R/text/train.jsonl" --data.test_path "" --data.val_fraction 0.1 \
-        --training.output_dir "$R/lm/${setting}_seed$seed"
-      [ -s "$R/lm/${setting}_seed$seed/metrics.jsonl" ] && CURVES+=("$setting/seed$seed=$R/lm/${setting}_seed$seed/metrics.jsonl")
+      case $setting in
+        bf16) extra=() ;;
+        fp8) extra=(--model.fp8 rowwise) ;;
+        fp8wg) extra=(--model.fp8 rowwise --model.fp8_weight_grad bf16) ;;
+      esac
+      stage "${name}_${setting}_seed$seed" $((30 + steps / 10)) "${FT[@]}" --training.steps "$steps" --training.cuda_graph true \
+        --training.seed "$seed" "${extra[@]}" "$@" --training.output_dir "$R/$name/${setting}_seed$seed"
+      [ -s "$R/$name/${setting}_seed$seed/metrics.jsonl" ] && curves+=("$setting/seed$seed=$R/$name/${setting}_seed$seed/metrics.jsonl")
     done
   done
-  [ ${#CURVES[@]} -gt 0 ] && python3 benchmarks/fp8_loss_curves.py "${CURVES[@]}" --tail 20 --out "$R/lm_loss_curves.png" 2>&1 \
-    | tee -a "$OUT/summary.txt"
+  if [ ${#curves[@]} -gt 0 ]; then
+    python3 benchmarks/fp8_loss_curves.py "${curves[@]}" --tail 20 --out "$R/${name}_loss_curves.png" 2>&1 | tee -a "$OUT/summary.txt"
+  fi
+}
+fine_tunes ft "$FT_STEPS"
+# The same on source text (benchmarks/fp8_text_data.py), whose loss settles above zero: there a 1%
+# difference is larger than the seeds' spread.
+LM_STEPS=${LM_STEPS:-1200}
+if selected lm && python3 benchmarks/fp8_text_data.py --out "$R/text" >>"$OUT/summary.txt" 2>&1; then
+  fine_tunes lm "$LM_STEPS" --data.train_path "$R/text/train.jsonl" --data.test_path "" --data.val_fraction 0.1
 fi
 TAIL=40 stage probe 45 python3 benchmarks/fp8_probe.py --out "$R/probe.jsonl"
 TAIL=25 stage gputests_models 150 "${PYTEST[@]}" -k "$MODEL_TESTS"

@@ -39,19 +39,24 @@ def _tail_mean(train: Curve, count: int) -> float:
     return statistics.fmean(loss for _, loss in train[-count:])
 
 
+def _setting(label: str) -> str:
+    """The setting of a run label: ``fp8`` for ``fp8/seed7`` (and for ``fp8``)."""
+    return label.split("/", 1)[0]
+
+
 def summarize(runs: dict[str, tuple[Curve, Curve]], tail: int) -> dict[str, dict[str, float]]:
-    """Per setting (the label before ``/``): the mean, minimum and maximum over its runs of the final
-    training loss, the mean of the last ``tail`` logged losses and the final validation loss."""
+    """Per setting: its number of runs, and the mean, minimum and maximum over them of the mean of the
+    last ``tail`` logged losses and of the final validation loss."""
     figures: dict[str, dict[str, list[float]]] = {}
     for label, (train, validation) in runs.items():
-        setting = figures.setdefault(label.split("/", 1)[0], {"final": [], "tail": [], "validation": []})
-        setting["final"].append(train[-1][1])
+        setting = figures.setdefault(_setting(label), {"tail": [], "validation": []})
         setting["tail"].append(_tail_mean(train, tail))
         if validation:
             setting["validation"].append(validation[-1][1])
     return {
-        name: {f"{key}_{stat}": fn(values) for key, values in setting.items() if values
-               for stat, fn in (("mean", statistics.fmean), ("min", min), ("max", max))}
+        name: {"runs": len(setting["tail"])}
+        | {f"{key}_{stat}": fn(values) for key, values in setting.items() if values
+           for stat, fn in (("mean", statistics.fmean), ("min", min), ("max", max))}
         for name, setting in figures.items()
     }  # fmt: skip
 
@@ -60,7 +65,7 @@ def paired(runs: dict[str, tuple[Curve, Curve]], tail: int) -> dict[str, dict[st
     """Per setting after the first: its runs' relative differences to the first setting's run of the same
     name (``bf16/seed7`` against ``fp8/seed7``: the same seed, so the same initial weights, data order
     and validation split), in the mean of the last ``tail`` logged losses and the final validation loss."""
-    first = next(iter(runs)).split("/", 1)[0]
+    first = _setting(next(iter(runs)))
     out: dict[str, dict[str, list[float]]] = {}
     for label, (train, validation) in runs.items():
         setting, _, run = label.partition("/")
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     if any("/" in label for label in runs):
         base = next(iter(settings.values()))
         for name, figures in settings.items():
-            line = f"setting {name}: over {sum(label.split('/', 1)[0] == name for label in runs)} runs,"
+            line = f"setting {name}: over {figures['runs']} runs,"
             for key, what in (("tail", f"mean of the last {args.tail}"), ("validation", "final validation loss")):
                 if f"{key}_mean" in figures:
                     line += (f" {what} {figures[f'{key}_mean']:.4f} (range {figures[f'{key}_min']:.4f}-"
@@ -139,7 +144,7 @@ def _plot(runs: dict[str, tuple[Curve, Curve]], out: str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     settings: dict[str, list[Curve]] = {}
     for label, (train, _) in runs.items():
-        settings.setdefault(label.split("/", 1)[0], []).append(train)
+        settings.setdefault(_setting(label), []).append(train)
     for name, curves in settings.items():
         steps = sorted(set.intersection(*({step for step, _ in curve} for curve in curves)))
         values = [[dict(curve)[step] for curve in curves] for step in steps]

@@ -168,7 +168,7 @@ def _run_row(
 
     def optimizer_step() -> None:
         if max_grad_norm is not None:
-            clip_before_update([p for p in bench.model.parameters() if p.grad is not None], max_grad_norm, optimizer)
+            clip_before_update(list(bench.model.parameters()), max_grad_norm, optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
