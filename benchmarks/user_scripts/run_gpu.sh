@@ -9,7 +9,8 @@
 # without clipping and with max_grad_norm 1.0 as the Trainer clips; each BENCH_TIMEOUT),
 # families (scripts 1-3 on the other shipped configs), family_bench (moetune bench's eager step of
 # each of those configs at FAMILY_LAYERS with torch's AdamW on both sides: the ratio the families'
-# script 1 is held to; then again under autocast with the Trainer's clipping, as script 1 trains). A stage's failure does not stop the next.
+# script 1 is held to; then again under autocast with the Trainer's clipping, as script 1 trains:
+# FAMILY_BENCH_MODES="plain like_the_script" selects them). A stage's failure does not stop the next.
 # Wheels for packages the machine lacks (trl, datasets, ...) are installed from $WHEELS if set.
 set -uo pipefail
 OUT=${OUT:?set OUT to a folder for the results}
@@ -61,9 +62,10 @@ for stage in $STAGES; do
     # family_bench: the bench's default step, then the script's (autocast, the Trainer's clipping)
     family_bench)
       for config in gpt_oss_20b nemotron_3_nano_30b_a3b moonlight_16b_a3b; do
-        for like_the_script in "" "--autocast --max-grad-norm 1.0"; do
+        for mode in ${FAMILY_BENCH_MODES:-plain like_the_script}; do
+          case $mode in plain) extra="" ;; like_the_script) extra="--autocast --max-grad-norm 1.0" ;; esac
           timeout ${FAMILY_BENCH_TIMEOUT:-75} python3 -m moetune.bench --config $config --layers "$FAMILY_LAYERS" --routing real \
-            --moetune-optimizer torch --steps 10 --warmup 3 $like_the_script --out "$RESULTS/family_bench" 2>&1 | tail -6 \
+            --moetune-optimizer torch --steps 10 --warmup 3 $extra --out "$RESULTS/family_bench" 2>&1 | tail -6 \
             | tee -a "$RESULTS/family_bench.log"
         done
       done ;;
