@@ -101,6 +101,9 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             dy_q, dy_scale = quantize_rows(dy_NO, block=settings.block, impl=settings.impl)
             wt_q, wt_scale = quantize_weight(w_EOK.transpose(-2, -1), settings)
             dx = rows_mm(dy_q, dy_scale, wt_q, wt_scale, offsets_E, settings=settings, out_dtype=ctx.x_dtype)
+            # The e4m3 copy of the weight (half its bf16 bytes) must not outlive its GEMM: the weight
+            # gradient allocated next is the backward's largest tensor, and the two together set its peak.
+            del dy_q, dy_scale, wt_q, wt_scale
             if order_N is not None:
                 dx = permute_rows_backward(dx, order_N, ctx.top_k, num_valid=num_valid, impl=settings.impl)
         if ctx.needs_input_grad[1]:
@@ -139,6 +142,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             dy_q, dy_scale = quantize_rows(dy_TO, block=settings.block, impl=settings.impl)
             wt_q, wt_scale = quantize_weight(w_OK.t().unsqueeze(0), settings)
             dx = rows_mm(dy_q, dy_scale, wt_q, wt_scale, None, settings=settings, out_dtype=x_TK.dtype)
+            del dy_q, dy_scale, wt_q, wt_scale  # as in the grouped backward: freed before the weight gradient
         if ctx.needs_input_grad[1]:
             dw = _weight_grad(dy_TO, x_TK, None, settings=settings, out_dtype=w_OK.dtype, dense=True)[0]
         return dx, dw, None
