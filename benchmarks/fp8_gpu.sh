@@ -4,7 +4,7 @@
 #   2. gputests_kernels  tests/fp8 -m gpu, the kernel and linear tests: kernels equal their references
 #                (quantisers bit for bit), torch's FP8 GEMMs and the block-scaled dense shapes cuBLAS
 #                cannot take, no host sync
-#   3. steps     benchmarks/fp8_step_bench.py: moetune's step in bf16, then FP8 rowwise (FP8 and bf16 weight gradients) and blockwise
+#   3. steps     benchmarks/fp8_step_bench.py: moetune's step in bf16, then FP8 rowwise and blockwise, each with FP8 and bf16 weight gradients
 #                (backend auto) on the same model, real routing, seq 4096: Qwen3-30B-A3B (8 layers,
 #                eager and graphed, with one profiled step per setting), GPT-OSS-20B, Nemotron 3 Nano,
 #                Moonlight-16B-A3B (4 layers each)
@@ -60,7 +60,7 @@ PYTEST=(python3 -m pytest tests/fp8 -m gpu -q -p no:cacheprovider -rfE --duratio
 TAIL=25 stage gputests_kernels 150 "${PYTEST[@]}" -k "not ($MODEL_TESTS)"
 TAIL=30 stage steps 150 python3 benchmarks/fp8_step_bench.py \
   --configs qwen3_30b_a3b:8 gpt_oss_20b:4 nemotron_3_nano_30b_a3b:4 moonlight_16b_a3b:4 \
-  --settings bf16 rowwise:auto rowwise:auto:bf16 blockwise:auto --graphed qwen3_30b_a3b --profile-config qwen3_30b_a3b \
+  --settings bf16 rowwise:auto:fp8 rowwise:auto:bf16 blockwise:auto:fp8 blockwise:auto:bf16 --graphed qwen3_30b_a3b --profile-config qwen3_30b_a3b \
   --steps 8 --warmup 3 --out "$R/steps.jsonl"
 FT_STEPS=${FT_STEPS:-1200}
 FT=(python3 -m moetune.cli finetune --metrics.log_every 10 --metrics.progress_bar false
@@ -76,7 +76,7 @@ fine_tunes() {
     for setting in bf16 fp8 fp8wg; do
       case $setting in
         bf16) extra=() ;;
-        fp8) extra=(--model.fp8 rowwise) ;;
+        fp8) extra=(--model.fp8 rowwise --model.fp8_weight_grad fp8) ;;
         fp8wg) extra=(--model.fp8 rowwise --model.fp8_weight_grad bf16) ;;
       esac
       stage "${name}_${setting}_seed$seed" $((30 + steps / 10)) "${FT[@]}" --training.steps "$steps" --training.cuda_graph true \

@@ -26,15 +26,17 @@ from moetune.bench.models import build_side, load_config
 from moetune.bench.run import Row, run_rows
 from moetune.flops import training_flops_per_token
 from moetune.fp8 import Fp8Settings
+from moetune.fp8.settings import DEFAULT_WEIGHT_GRAD
 from moetune.models.fp8 import enable_fp8, fp8_layers
 
 
 def _settings(name: str) -> Fp8Settings | None:
-    """``bf16``, or ``recipe[:backend[:weight_grad]]`` (``rowwise:auto:bf16``: bf16 weight gradients)."""
+    """``bf16``, or ``recipe[:backend[:weight_grad]]`` (``rowwise:auto:fp8``: FP8 weight gradients; without
+    the third part, the library's default, bf16 weight gradients)."""
     if name == "bf16":
         return None
     recipe, backend, weight_grad = (name.split(":") + ["", ""])[:3]
-    return Fp8Settings(recipe, backend or "auto", weight_grad or "fp8")
+    return Fp8Settings(recipe, backend or "auto", weight_grad or DEFAULT_WEIGHT_GRAD)
 
 
 def _profile(bench, ids: torch.Tensor, path: Path, label: str) -> None:

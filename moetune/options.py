@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from moetune.fp8.settings import DEFAULT_WEIGHT_GRAD
+
 
 @dataclass
 class MoetuneOptions:
@@ -87,9 +89,10 @@ class MoetuneOptions:
     """With ``fp8``: 'auto' (torch's cuBLAS / CUTLASS FP8 GEMMs where torch has them, moetune's Triton
     GEMMs elsewhere), 'triton' (moetune's Triton GEMMs everywhere) or 'reference' (the plain-PyTorch
     reference, dequantised operands multiplied in fp32: any device, CPU included; for tests)."""
-    fp8_weight_grad: str = "fp8"
-    """With ``fp8``: the weight gradients' GEMM in 'fp8' (quantised along the tokens) or 'bf16' (from the
-    operands as the forward received them; faster at few tokens per expert, and exact gradients)."""
+    fp8_weight_grad: str = DEFAULT_WEIGHT_GRAD
+    """With ``fp8``: the weight gradients' GEMM in 'bf16' (the default: from the operands as the forward
+    received them; faster at few tokens per expert, exact gradients, the loss of bf16 training) or 'fp8'
+    (quantised along the tokens, as DeepSeek-V3 trained)."""
     cuda_graphs: bool = True
     """On CUDA, replay the decoder stack's training forward and backward from CUDA graphs (one pair per
     shape bucket; ``moetune.training.graphed_backbone``) under any training loop (Transformers'

@@ -40,6 +40,7 @@ from moetune.bench.report import (
 )
 from moetune.bench.run import Row, RowResult, is_oom, make_rows, run_rows
 from moetune.flops import training_flops_per_token as flops_per_token
+from moetune.fp8.settings import DEFAULT_WEIGHT_GRAD, FP8_WEIGHT_GRADS
 
 DEFAULT_LAYERS = 8
 RECORDED_ENV_PREFIXES = ("PYTORCH_CUDA_ALLOC", "CUDA_VISIBLE", "CUDA_DEVICE_MAX", "NCCL_", "TORCH_", "MOETUNE_")
@@ -122,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         "the plain-PyTorch reference",
     )
     p.add_argument(
-        "--fp8-weight-grad", choices=("fp8", "bf16"), default="fp8",
-        help="with --fp8: the weight gradients' GEMM quantised along the tokens (fp8) or from the unquantised operands (bf16)",
+        "--fp8-weight-grad", choices=FP8_WEIGHT_GRADS, default=DEFAULT_WEIGHT_GRAD,
+        help="with --fp8: the weight gradients' GEMM from the unquantised operands (bf16, the default) or quantised along the tokens (fp8)",
     )
     p.add_argument("--device", default="auto", help="auto, cuda, cuda:N or cpu (torchrun: each rank's GPU)")
     p.add_argument(
@@ -461,7 +462,7 @@ def _bench_side(
 
 def _fp8_suffix(args: argparse.Namespace) -> str:
     """Result files of an FP8 run are named apart from the bf16 run's of the same model and date."""
-    wgrad = "-bf16wgrad" if getattr(args, "fp8_weight_grad", "fp8") == "bf16" else ""
+    wgrad = "-fp8wgrad" if getattr(args, "fp8_weight_grad", DEFAULT_WEIGHT_GRAD) == "fp8" else ""
     clip = f"-clip{args.max_grad_norm:g}" if getattr(args, "max_grad_norm", None) is not None else ""
     autocast = "-autocast" if getattr(args, "autocast", False) else ""
     return (f"-fp8-{args.fp8}-{args.fp8_backend}{wgrad}" if args.fp8 else "") + clip + autocast

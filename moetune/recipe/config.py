@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moetune.lora import LoraSettings
-from moetune.fp8.settings import FP8_BACKENDS, FP8_RECIPES, FP8_WEIGHT_GRADS
+from moetune.fp8.settings import DEFAULT_WEIGHT_GRAD, FP8_BACKENDS, FP8_RECIPES, FP8_WEIGHT_GRADS
 from moetune.models.options import check_experts_backend
 from moetune.options import DENSE_PARALLEL, EP_DISPATCH, REPLICATE_TRANSPORTS
 
@@ -65,9 +65,10 @@ class ModelConfig:
     """With fp8: "auto" (torch's cuBLAS / CUTLASS FP8 GEMMs where torch has them, moetune's Triton
     GEMMs elsewhere), "triton" (moetune's Triton GEMMs everywhere) or "reference" (plain PyTorch on
     any device, CPU included: the numerics, slowly)."""
-    fp8_weight_grad: str = "fp8"
-    """With fp8: the weight gradients' GEMM in "fp8" (quantised along the tokens) or "bf16" (from the
-    operands as the forward received them: faster at few tokens per expert, exact gradients)."""
+    fp8_weight_grad: str = DEFAULT_WEIGHT_GRAD
+    """With fp8: the weight gradients' GEMM in "bf16" (the default: from the operands as the forward
+    received them; faster at few tokens per expert, exact gradients, the loss of bf16 training) or
+    "fp8" (quantised along the tokens, as DeepSeek-V3 trained)."""
 
 
 @dataclass
@@ -319,7 +320,7 @@ def validate(config: JobConfig) -> JobConfig:
           "picks the FP8 kernels: set model.fp8 ('rowwise' or 'blockwise') too")
     check(config.model.fp8_weight_grad in FP8_WEIGHT_GRADS, "model.fp8_weight_grad",
           f"{config.model.fp8_weight_grad!r} is not one of {FP8_WEIGHT_GRADS}")
-    check(config.model.fp8_weight_grad == "fp8" or bool(config.model.fp8), "model.fp8_weight_grad",
+    check(config.model.fp8_weight_grad == DEFAULT_WEIGHT_GRAD or bool(config.model.fp8), "model.fp8_weight_grad",
           "picks the FP8 weight gradients' GEMM: set model.fp8 ('rowwise' or 'blockwise') too")
     check(config.distributed.ep_size >= 1, "distributed.ep_size", f"must be >= 1, got {config.distributed.ep_size}")
     check(config.distributed.ep_size == 1 or config.distributed.parallelism == "fsdp", "distributed.ep_size",

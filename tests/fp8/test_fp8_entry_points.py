@@ -20,7 +20,7 @@ from moetune.recipe.model_loading import build_model, load_model_config
         (["--model.fp8", "rowwise", "--model.fp8_backend", "cuda"], "config field model.fp8_backend: 'cuda' is not one of"),
         (["--model.fp8_backend", "reference"], "config field model.fp8_backend: picks the FP8 kernels: set model.fp8"),
         (["--model.fp8", "rowwise", "--model.fp8_weight_grad", "fp32"], "config field model.fp8_weight_grad: 'fp32' is not one of"),
-        (["--model.fp8_weight_grad", "bf16"], "config field model.fp8_weight_grad: picks the FP8 weight gradients"),
+        (["--model.fp8_weight_grad", "fp8"], "config field model.fp8_weight_grad: picks the FP8 weight gradients"),
     ],
 )
 def test_recipe_fp8_fields_are_checked_by_name(overrides, message):
@@ -30,11 +30,11 @@ def test_recipe_fp8_fields_are_checked_by_name(overrides, message):
 
 def test_recipe_fp8_reaches_the_model():
     config = load_config(overrides=["--model.fp8", "blockwise", "--model.fp8_backend", "reference",
-                                    "--model.fp8_weight_grad", "bf16"]).model  # fmt: skip
+                                    "--model.fp8_weight_grad", "fp8"]).model  # fmt: skip
     model = build_model(config, model_config=load_model_config(config), dtype=torch.float32, device=torch.device("cpu"))
     assert fp8_layers(model)
     settings = {m.fp8 for m in model.modules() if getattr(m, "fp8", None) is not None}
-    assert {(s.recipe, s.backend, s.weight_grad) for s in settings} == {("blockwise", "reference", "bf16")}
+    assert {(s.recipe, s.backend, s.weight_grad) for s in settings} == {("blockwise", "reference", "fp8")}
     plain = load_config().model
     assert not fp8_layers(build_model(plain, model_config=load_model_config(plain), dtype=torch.float32,
                                       device=torch.device("cpu")))  # fmt: skip
@@ -49,5 +49,5 @@ def test_bench_fp8_trains_the_moetune_side_in_fp8_and_names_its_results(tmp_path
     assert code == 0
     [path] = tmp_path.glob("tiny-1l-fp8-rowwise-reference_cpu_*.json")
     data = json.loads(path.read_text())
-    assert data["config"]["moetune_options"] == {"fp8": "rowwise", "fp8_backend": "reference", "fp8_weight_grad": "fp8"}
+    assert data["config"]["moetune_options"] == {"fp8": "rowwise", "fp8_backend": "reference", "fp8_weight_grad": "bf16"}
     assert [row["error"] for row in data["rows"]] == [None]

@@ -42,7 +42,7 @@ def test_dense_linear_is_the_product_of_operands_quantised_along_each_contractio
     """Forward, input gradient and weight gradient each equal the fp32 product of their operands
     quantised as the recipe says (rows / 1 x 128 slices along the contraction; weights by rows or
     128 x 128 tiles), and are within FP8's error of the unquantised products."""
-    settings = Fp8Settings(recipe, "reference")
+    settings = Fp8Settings(recipe, "reference", weight_grad="fp8")
     generator = torch.Generator().manual_seed(0)
     x = wide_range(70, 272, generator=generator).requires_grad_()
     w = torch.randn(144, 272, generator=generator).requires_grad_()
@@ -97,7 +97,7 @@ def test_grouped_linear_matches_fp32_per_expert_within_fp8_error(recipe, gather)
     """The experts' FP8 GEMMs (with the dispatch gather, or on already-sorted rows with padding rows
     after the last group) against fp32 per-expert products: outputs and both gradients."""
     num_tokens, top_k = GROUPED_TOKENS, GROUPED_TOP_K
-    x, w, y, dy, order, offsets = _grouped_backward(Fp8Settings(recipe, "reference"), gather, seed=2)
+    x, w, y, dy, order, offsets = _grouped_backward(Fp8Settings(recipe, "reference", weight_grad="fp8"), gather, seed=2)
     valid = num_tokens * top_k
     x_ref, w_ref = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     y_ref = grouped_reference(x_ref, w_ref, order if gather else None, offsets, top_k)
@@ -120,7 +120,7 @@ def test_bf16_weight_gradients_are_the_unquantised_products(gather):
     w_ref = w.detach().clone().requires_grad_()
     grouped_reference(x.detach(), w_ref, order if gather else None, offsets, top_k).backward(dy[:valid])
     torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
-    fp8_only = fp8_grouped_linear(x.detach(), w.detach(), offsets, settings=Fp8Settings("rowwise", "reference"),
+    fp8_only = fp8_grouped_linear(x.detach(), w.detach(), offsets, settings=Fp8Settings("rowwise", "reference", weight_grad="fp8"),
                                   gather_order=order if gather else None, top_k=top_k)  # fmt: skip
     torch.testing.assert_close(y.detach(), fp8_only)  # the forward is FP8's either way
 

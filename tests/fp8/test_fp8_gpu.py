@@ -95,7 +95,7 @@ def test_torch_fp8_gemms_equal_the_references(recipe, grouped):
     """What backend 'auto' runs (cuBLAS ``_scaled_mm``, CUTLASS ``_scaled_grouped_mm``) against the
     reference on the same quantised operands."""
     generator = torch.Generator().manual_seed(2)
-    auto, reference = Fp8Settings(recipe, "auto"), Fp8Settings(recipe, "reference")
+    auto, reference = Fp8Settings(recipe, "auto", "fp8"), Fp8Settings(recipe, "reference", "fp8")
     offsets = routed_rows(TOKENS, TOP_K, _counts(generator), generator=generator, device="cuda")[1] if grouped else None
     num_rows = TOKENS * TOP_K if grouped else 1000
     num_experts = EXPERTS if grouped else 1
@@ -126,7 +126,7 @@ def test_block_scaled_dense_linears_run_at_the_shapes_cublas_refused(in_features
     x = torch.randn(512, in_features, generator=generator).to("cuda", torch.bfloat16)
     w = (torch.randn(out_features, in_features, generator=generator) * 0.02).to("cuda", torch.bfloat16)
     results = []
-    for settings in (Fp8Settings("blockwise", "auto"), Fp8Settings("blockwise", "reference")):
+    for settings in (Fp8Settings("blockwise", "auto", "fp8"), Fp8Settings("blockwise", "reference", "fp8")):
         x_, w_ = x.clone().requires_grad_(), w.clone().requires_grad_()
         y = fp8_linear(x_, w_, None, settings=settings)
         y.float().square().sum().backward()
@@ -164,8 +164,9 @@ def test_linears_equal_the_reference_backend_without_host_sync(recipe, backend, 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_tiny_models_train_within_two_percent_of_bf16(family, recipe):
-    bf16, fp8 = bf16_and_fp8_models(family, Fp8Settings(recipe, "auto"), device="cuda")
+@pytest.mark.parametrize("weight_grad", ["bf16", "fp8"])
+def test_tiny_models_train_within_two_percent_of_bf16(family, recipe, weight_grad):
+    bf16, fp8 = bf16_and_fp8_models(family, Fp8Settings(recipe, "auto", weight_grad), device="cuda")
     batches = token_batches(bf16.config.vocab_size, 6, device="cuda", shape=(4, 64))
     bf16_losses, fp8_losses = train_losses(bf16, batches), train_losses(fp8, batches)
     assert all(abs(a - b) <= 0.02 * b for a, b in zip(fp8_losses, bf16_losses)), (fp8_losses, bf16_losses)

@@ -51,7 +51,7 @@ def test_fp8_kernels_refuse_cpu_tensors_at_run_time_naming_the_reference():
         ({"fp8": "rowwise", "fp8_backend": "cublas"}, ValueError, "fp8_backend must be one of"),
         ({"fp8_backend": "reference"}, ValueError, "fp8_backend='reference' needs fp8="),
         ({"fp8": "rowwise", "fp8_weight_grad": "fp16"}, ValueError, "fp8_weight_grad must be one of"),
-        ({"fp8_weight_grad": "bf16"}, ValueError, "fp8_weight_grad='bf16' needs fp8="),
+        ({"fp8_weight_grad": "fp8"}, ValueError, "fp8_weight_grad='fp8' needs fp8="),
     ],
 )
 def test_bad_fp8_options_name_the_field(kwargs, error, message):
@@ -114,7 +114,7 @@ def test_save_pretrained_writes_the_bf16_checkpoint_transformers_loads(tmp_path)
 
 @pytest.mark.parametrize("mode", ["full", "selective"])
 def test_activation_checkpointing_recomputes_the_same_fp8_gradients(mode):
-    _, model = bf16_and_fp8_models("qwen3_moe", Fp8Settings("blockwise", "reference"), dtype=torch.float32)
+    _, model = bf16_and_fp8_models("qwen3_moe", Fp8Settings("blockwise", "reference", weight_grad="fp8"), dtype=torch.float32)
     checkpointed = copy.deepcopy(model)
     enable_activation_checkpointing(checkpointed, mode)
     ids = token_batches(model.config.vocab_size, 1)[0]
