@@ -43,6 +43,15 @@ class LayerActivations:
     none: float
     selective: float
     full: float
+    weight_grad_only: float = 0.0
+    """The part of ``none`` kept only for a weight gradient that the layer's own backward does not
+    hold at its peak (Mamba-2's convolution: fp32 copies of its input). It counts in what the forward
+    leaves for the backward, not in the running layer's working set nor its memory traffic."""
+
+    @property
+    def held_in_backward(self) -> float:
+        """``none`` without ``weight_grad_only``: what the layer holds while its backward runs."""
+        return self.none - self.weight_grad_only
 
     def saved(self, mode: str) -> float:
         if mode not in MODES:
@@ -55,6 +64,7 @@ def layer_activations(layer: LayerShape, *, act_bytes: int = 2, ep: int = 1, lor
     """``routed_rows``: routed rows per token this rank's experts see (top-k x imbalance); default top-k."""
     h = layer.hidden
     none = selective = 0.0
+    weight_grad_only = _conv_weight_grad_copies(layer.mamba, lora_rank=lora_rank)
     # The layer input (kept by the first norm, and all that full checkpointing keeps), the other
     # norms' inputs (the residual stream after each sub-block) and every norm's fp32 inverse RMS.
     none += layer.norms * h * act_bytes + layer.norms * FP32
@@ -66,7 +76,8 @@ def layer_activations(layer: LayerShape, *, act_bytes: int = 2, ep: int = 1, lor
                               routed_rows=routed_rows, seq_len=seq_len)
         none += h * act_bytes + kept  # the normed input, shared by the part's first GEMMs
         selective += outputs
-    return LayerActivations(none=none, selective=selective, full=h * act_bytes)
+    return LayerActivations(none=none + weight_grad_only, selective=selective, full=h * act_bytes,
+                            weight_grad_only=weight_grad_only)
 
 
 def _part(part, **kwargs) -> tuple[float, float]:
@@ -117,6 +128,19 @@ def _mamba(m: MambaShape, *, h: int, act_bytes: int, seq_len: int, **_) -> tuple
     kept = (m.in_proj_width + m.conv_width + m.d_inner) * act_bytes + scan + carry + FP32 * m.d_inner
     outputs = (m.in_proj_width + h) * act_bytes
     return kept, outputs
+
+
+def _conv_weight_grad_copies(m: MambaShape | None, *, lora_rank: int) -> float:
+    """Mamba-2's causal convolution, compiled (``moetune.layers.mamba2``), keeps three fp32 copies of its
+    [tokens, conv_width] input for its weight gradient: 73.7 KB a token in Nemotron 3 Nano. They are
+    not kept when the weights are frozen (LoRA). Counted on CPU (``benchmarks/mamba_saved_bytes.py``,
+    benchmarks/results/cpu_20261207_bcf9bbd/). On an H100, six Nemotron layers (three Mamba-2) kept
+    210 KB a token more than planned without them (benchmarks/results/h100_20261207_3690952/), where
+    three blocks' copies make 221 KB. Full recompute's long-sequence peaks fit without them in the
+    recomputed block's working set, so they count only in what the forward keeps."""
+    if m is None or lora_rank:
+        return 0.0
+    return 3 * m.conv_width * FP32
 
 
 def _moe(moe: MoEShape, *, h: int, act_bytes: int, ep: int, lora_rank: int, routed_rows: float | None,

@@ -110,8 +110,9 @@ def memory_breakdown(inventory: Inventory, request: PlanRequest, setting: Settin
         kept.append(saved * tokens)
         # The running layer's backward: its recomputed activations (checkpointing), its gradients'
         # temporaries, the dispatcher's transient buffers.
-        recomputed = 0.0 if setting.recompute == "none" else max(0.0, none - saved)
-        working.append((recomputed + transient_fraction * none + extra_work) * tokens)
+        held = (acts.held_in_backward + extra_kept) * fp8_ratio
+        recomputed = 0.0 if setting.recompute == "none" else max(0.0, held - saved)
+        working.append((recomputed + transient_fraction * held + extra_work) * tokens)
 
     head_trainable = any(p.trainable for p in inventory.params if p.group == ROOT_GROUP and len(p.shape) == 2)
     head = head_activations(inventory, tokens=tokens, act_bytes=act_bytes, head_trainable=head_trainable)

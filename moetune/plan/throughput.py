@@ -92,7 +92,7 @@ def step_time(inventory: Inventory, request: PlanRequest, setting: Setting, cali
         acts = layer_activations(layer, act_bytes=act_bytes, ep=setting.ep, lora_rank=inventory.lora_rank,
                                  routed_rows=None if layer.moe is None else layer.moe.top_k * imbalance,
                                  seq_len=request.seq_len)
-        layer_mem = c["membound_traffic"] * acts.none * tokens / (c["hbm_tbps"] * TERA)
+        layer_mem = c["membound_traffic"] * acts.held_in_backward * tokens / (c["hbm_tbps"] * TERA)
         # Recomputation: full checkpointing repeats the layer's forward; selective repeats the cheap ops.
         repeat = recompute_forward * forward_share
         parts = (layer_dense * (1 + repeat), layer_experts * (1 + repeat), layer_attention * (1 + recompute_forward / 3.0),
