@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from moetune.fp8.settings import DEFAULT_WEIGHT_GRAD
+from moetune.fp8.settings import DEFAULT_WEIGHT_GRAD, fp8_settings
 
 
 @dataclass
@@ -129,8 +129,6 @@ class MoetuneOptions:
         if self.dense_parallel not in DENSE_PARALLEL:
             raise ValueError(f"dense_parallel must be one of {DENSE_PARALLEL}, got {self.dense_parallel!r}")
         check_vocab_parallel_option(self.vocab_parallel, dense_parallel=self.dense_parallel)
-        from moetune.fp8.settings import fp8_settings
-
         fp8_settings(self.fp8, self.fp8_backend, self.fp8_weight_grad)  # a ValueError / TypeError naming the field
         if not isinstance(self.global_aux_loss, bool):
             raise ValueError(f"global_aux_loss must be True or False, got {self.global_aux_loss!r}")
@@ -142,8 +140,6 @@ class MoetuneOptions:
     @property
     def fp8_settings(self):
         """``moetune.fp8.Fp8Settings`` for ``fp8`` / ``fp8_backend`` / ``fp8_weight_grad``, or None."""
-        from moetune.fp8.settings import fp8_settings
-
         return fp8_settings(self.fp8, self.fp8_backend, self.fp8_weight_grad)
 
     @property
