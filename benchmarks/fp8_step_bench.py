@@ -60,6 +60,8 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["qwen3_30b_a3b:8"], help="shipped config:layers")
     parser.add_argument("--settings", nargs="+", default=["bf16", "rowwise:auto", "blockwise:auto"])
     parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=1,
+                        help="sequences per step: more tokens per expert and per optimizer step (docs/fp8.md, the ceiling)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--graphed", nargs="*", default=[], help="configs also timed with CUDA-graph steps")
@@ -69,7 +71,7 @@ def main() -> None:
     env = setup("auto")
     out, profile_path = Path(args.out), Path(args.out).with_suffix(".profile.txt")
     header = {"gpu": gpu_name(env.device), "commit": commit(), "versions": versions(), "date": time.strftime("%Y-%m-%d"),
-              "seq_len": args.seq_len, "warmup": args.warmup, "steps": args.steps, "routing": "real",
+              "seq_len": args.seq_len, "micro_batch": args.micro_batch, "warmup": args.warmup, "steps": args.steps, "routing": "real",
               "optimizer": "torch.optim.AdamW(fused=True), bf16 parameters and states"}  # fmt: skip
     print(json.dumps(header), flush=True)
     summary = []
@@ -80,7 +82,7 @@ def main() -> None:
         bench = build_side("moetune", config, device=env.device, dtype=torch.bfloat16, seed=0)
         print(f"[{model_name} {config.num_hidden_layers}l] built in {time.perf_counter() - started:.1f} s", flush=True)
         flops = training_flops_per_token(config, seq_len=args.seq_len)
-        row = Row("real", 1, args.seq_len, False)
+        row = Row("real", args.micro_batch, args.seq_len, False)
         base = {}
         for setting in args.settings:
             settings = _settings(setting)
@@ -90,7 +92,7 @@ def main() -> None:
                 [result] = run_rows(bench, [row], env=env, flops_per_token={args.seq_len: flops}, peak_tflops=None,
                                     warmup=args.warmup, steps=args.steps, seed=0, lr=1e-5,
                                     moetune_optimizer="moetune" if graphed else "torch", moetune_cuda_graph=graphed)  # fmt: skip
-                record = {"model": model_name, "layers": config.num_hidden_layers, "setting": setting,
+                record = {"model": model_name, "layers": config.num_hidden_layers, "micro_batch": args.micro_batch, "setting": setting,
                           "graphed": graphed, "fp8_modules": len(fp8_layers(bench.model)), **result.to_json()}  # fmt: skip
                 key = (model_name, graphed)
                 if setting == "bf16" and not result.error:
@@ -101,14 +103,14 @@ def main() -> None:
                         record["peak_vs_bf16"] = result.peak_gib / base[key].peak_gib
                 with out.open("a") as f:
                     f.write(json.dumps(record) + "\n")
-                line = (f"{model_name:>24} {config.num_hidden_layers:>2}l {setting:>16} {'graphed' if graphed else 'eager':>7}: "
+                line = (f"{model_name:>24} {config.num_hidden_layers:>2}l mb{args.micro_batch} {setting:>16} {'graphed' if graphed else 'eager':>7}: "
                         + (result.error or f"step {1e3 * result.step_s:7.1f} ms, {result.tokens_per_s_per_gpu:8,.0f} tok/s, "
                            f"peak {result.peak_gib or 0:5.1f} GiB, loss {result.losses[-1]:.3f}"
                            + (f", x{record['speedup_vs_bf16']:.3f} vs bf16" if "speedup_vs_bf16" in record else "")))  # fmt: skip
                 print(line, flush=True)
                 summary.append(line)
             if name in args.profile_config:
-                ids = torch.randint(0, config.vocab_size, (1, args.seq_len), device=env.device)
+                ids = torch.randint(0, config.vocab_size, (args.micro_batch, args.seq_len), device=env.device)
                 try:
                     _profile(bench, ids, profile_path, f"{model_name} {config.num_hidden_layers}l {setting}")
                 except Exception as error:  # noqa: BLE001 -- the timings above matter more
