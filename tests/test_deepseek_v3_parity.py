@@ -90,10 +90,14 @@ def test_router_logits_generation_and_plain_transformers_reload(tmp_path):
         assert rel_err(a, b.reshape(a.shape)) < TOL
     check_generation_and_reload(ours, ref, tmp_path)
 
-def test_bf16_keeps_the_router_in_fp32_and_balanced_gate_works():
+def test_bf16_router_has_transformers_dtypes_and_balanced_gate_works():
+    """In bf16 the router's weight and correction bias have the dtypes Transformers' has (both fp32 in
+    Transformers 5.2x; a bf16 weight and, from a config, a bf16 bias before), the experts bf16."""
     model = moetune.AutoModelForCausalLM.from_config(tiny_deepseek_v3_config(), dtype=torch.bfloat16, balanced_gate=True)
-    router = model.model.layers[1].mlp.gate
-    assert router.weight.dtype == torch.float32 and router.e_score_correction_bias.dtype == torch.float32
+    ref = transformers.AutoModelForCausalLM.from_config(tiny_deepseek_v3_config(), dtype=torch.bfloat16)
+    router, ref_router = model.model.layers[1].mlp.gate, ref.model.layers[1].mlp.gate
+    assert router.weight.dtype == ref_router.weight.dtype
+    assert router.e_score_correction_bias.dtype == ref_router.e_score_correction_bias.dtype
     assert model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
     routing = router(torch.randn(6, 32, dtype=torch.bfloat16))
     assert routing.experts_TK.flatten().tolist() == [j % 8 for j in range(12)]

@@ -89,18 +89,27 @@ def test_backbone_writes_the_hub_layout_that_transformers_reads(family, tmp_path
             assert rel_err(model(ids).last_hidden_state, expected) < TOL
 
 
-@pytest.mark.parametrize("family", ["gpt_oss", "deepseek_v3"])
-def test_modules_transformers_keeps_in_fp32_load_in_fp32(family, tmp_path):
+@pytest.mark.parametrize("family", NAMES)
+def test_every_tensor_has_the_dtype_transformers_gives_it(family, tmp_path):
     """Transformers loads what its classes name in ``_keep_in_fp32_modules`` (for fp16: GPT-OSS's norms) and
-    ``_keep_in_fp32_modules_strict`` (for fp16 and bf16: DeepSeek-V3's router) in fp32; moetune's loader cast
-    every tensor to the requested dtype."""
-    _, folder = _hub_checkpoint(family, tmp_path)
+    ``_keep_in_fp32_modules_strict`` (for fp16 and bf16: the DeepSeek-V3 / Nemotron-H routers' correction
+    bias, and their weight since Transformers 5.2x) in fp32, the rest in the requested dtype; moetune's
+    loader once cast every tensor, and its router's weight was fp32 whatever Transformers' was. Loaded, or
+    built from a config, every tensor has the dtype the installed Transformers gives it the same way
+    (its ``from_config`` keeps nothing in fp32 for fp16, and before 5.2x left the routers' correction bias
+    in the requested dtype)."""
+    ref, folder = _hub_checkpoint(family, tmp_path)
     for dtype in (torch.float16, torch.bfloat16):
-        expected = {n: t.dtype for n, t in transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).state_dict().items()}
-        assert any(d == torch.float32 for d in expected.values()) == (family == "deepseek_v3" or dtype == torch.float16)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        expected = {n: t.dtype for n, t in loaded.state_dict().items()}
+        if family in ("deepseek_v3", "nemotron_h") or (family == "gpt_oss" and dtype == torch.float16):
+            assert torch.float32 in expected.values()
         for ours in (FAMILIES[family].causal_lm.from_pretrained(folder, dtype=dtype),
                      moetune.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)):  # fmt: skip
             assert {n: t.dtype for n, t in ours.state_dict().items()} == expected
+        built = transformers.AutoModelForCausalLM.from_config(ref.config, dtype=dtype)
+        ours_built = moetune.AutoModelForCausalLM.from_config(ref.config, dtype=dtype)
+        assert {n: t.dtype for n, t in ours_built.state_dict().items()} == {n: t.dtype for n, t in built.state_dict().items()}
 
 
 @pytest.mark.parametrize("family", NAMES)
@@ -211,7 +220,10 @@ def test_output_router_logits_argument_wins_over_the_config(family, padded):
     with torch.no_grad():
         assert not model(ids, attention_mask=mask if padded else None, output_router_logits=False).router_logits
         assert len(model(ids, attention_mask=mask if padded else None).router_logits) == num_moe_layers
-        assert not model.model(ids, attention_mask=mask if padded else None, output_router_logits=False).router_logits
+        # The backbone's output class is Transformers' (without a router_logits field before 5.2x for
+        # DeepSeek-V3 and Nemotron-H).
+        assert not getattr(model.model(ids, attention_mask=mask if padded else None, output_router_logits=False),
+                           "router_logits", None)  # fmt: skip
 
 
 @pytest.mark.parametrize("family", NAMES)

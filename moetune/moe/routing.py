@@ -100,6 +100,7 @@ class GroupLimitedSigmoidRouter(nn.Module):
         normalize_top_k: bool,
         scaling_factor: float,
         balanced: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if num_experts % num_groups or not 0 < top_k_groups <= num_groups:
@@ -116,8 +117,13 @@ class GroupLimitedSigmoidRouter(nn.Module):
         self.normalize_top_k = normalize_top_k
         self.scaling_factor = scaling_factor
         self.balanced = balanced
-        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=torch.float32))
-        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+        # ``dtype`` is what the installed Transformers' router creates its tensors in (``router_dtype``): fp32
+        # where its class keeps ``gate.weight`` in fp32, else the default dtype (loading then keeps the
+        # correction bias in fp32, as Transformers does). An fp32 weight where Transformers' is bf16 would
+        # differ from its state dict, and an fp32 gradient among bf16 ones sends torch's
+        # ``clip_grad_norm_`` down its per-tensor path (an fp32 norm scaling bf16 gradients).
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size, dtype=dtype))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=dtype))
 
     def forward(self, x_TH: torch.Tensor) -> Routing:
         logits_TE = F.linear(x_TH.float(), self.weight.float())

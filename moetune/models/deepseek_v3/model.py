@@ -43,8 +43,16 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
     return layer_idx >= config.first_k_dense_replace
 
 
-def build_router(config) -> GroupLimitedSigmoidRouter:
-    """DeepSeek-V3's router from its config fields (Nemotron-H's config uses the same names)."""
+def router_dtype(hf_pretrained: type) -> torch.dtype | None:
+    """fp32 where the installed Transformers keeps the router's weight in fp32 (its ``PreTrainedModel``
+    names ``gate.weight`` in ``_keep_in_fp32_modules_strict``, and its router creates its weight and
+    correction bias in fp32: Transformers 5.2x), else None: the default dtype, as its router made them before."""
+    return torch.float32 if "gate.weight" in (getattr(hf_pretrained, "_keep_in_fp32_modules_strict", None) or ()) else None
+
+
+def build_router(config, hf_pretrained: type = hf.DeepseekV3PreTrainedModel) -> GroupLimitedSigmoidRouter:
+    """DeepSeek-V3's router from its config fields (Nemotron-H's config uses the same names; its
+    ``hf_pretrained`` says whether the weight is fp32)."""
     return GroupLimitedSigmoidRouter(
         hidden_size=config.hidden_size,
         num_experts=config.n_routed_experts,
@@ -53,6 +61,7 @@ def build_router(config) -> GroupLimitedSigmoidRouter:
         top_k_groups=config.topk_group,
         normalize_top_k=config.norm_topk_prob,
         scaling_factor=config.routed_scaling_factor,
+        dtype=router_dtype(hf_pretrained),
     )
 
 

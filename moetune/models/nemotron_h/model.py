@@ -60,7 +60,7 @@ def build_moe_block(config) -> NemotronHMoEBlock:
     latent = config.moe_latent_size
     experts_width = latent if latent is not None else config.hidden_size
     return NemotronHMoEBlock(
-        gate=build_router(config),
+        gate=build_router(config, hf.NemotronHPreTrainedModel),
         experts=GroupedExperts(
             num_experts=config.n_routed_experts,
             hidden_size=experts_width,
