@@ -30,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step over all GPUs (gives the gradient accumulation)")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA of this rank on attention and experts (0: full fine-tuning)")
-    p.add_argument("--fp8", action="store_true", help="FP8 GEMMs (priced from one measured H100 step, where FP8 was slower than bf16)")
+    p.add_argument("--fp8", action="store_true", help="FP8 GEMMs (priced from measured H100 steps: slower than bf16 at 4k tokens a step, level at 16k)")
     p.add_argument("--recompute", choices=RECOMPUTE, default="auto", help="activation checkpointing (auto: the planner picks)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default: the planner picks)")
     p.add_argument("--dense-parallel", choices=("fsdp", "replicate"), default=None)

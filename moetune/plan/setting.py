@@ -34,7 +34,7 @@ class PlanRequest:
     lora_experts: bool = True
     """LoRA on every expert's weights (``target_experts``)."""
     fp8: bool = False
-    """FP8 GEMMs, priced by calibration ``fp8_*`` (fitted to one measured H100 step, where FP8 was slower)."""
+    """FP8 GEMMs, priced by calibration ``fp8_*`` (fitted to measured H100 steps at 4k-32k tokens)."""
     recompute: str = "auto"
     ep: int | None = None
     dense_parallel: str | None = None

@@ -18,7 +18,12 @@ Per micro-batch (T = micro_batch x seq_len tokens on this rank), forward + backw
   nodes; FSDP2's per-layer all-gathers and reduce-scatters and the replicated gradients'
   all-reduces overlap the compute, only what exceeds it counts;
 - eager steps leave the GPU idle while the host launches kernels (``eager_idle_ms_per_layer``);
-  CUDA-graph replays do not.
+  CUDA-graph replays do not;
+- FP8 (the default recipe, bf16 weight gradients): the forward and input-gradient passes of the
+  decoder's GEMMs (experts and dense, not the LM head) at ``fp8_gemm_speedup`` (their activations'
+  quantisation included), and each micro-batch quantises every FP8 weight in two layouts (forward and
+  input gradient: 2 bytes read + 1 written each, again for a recomputed forward) at
+  ``fp8_weight_quantize_tbps``: a fixed cost a micro-batch that more tokens amortise.
 Per optimizer step: AdamW streams 14 bytes per bf16 parameter element (28 in fp32) at the
 optimizer's bandwidth, plus one launch per tensor, plus the gradient-norm read when clipping.
 """
@@ -75,8 +80,8 @@ def step_time(inventory: Inventory, request: PlanRequest, setting: Setting, cali
     tokens = setting.micro_batch * request.seq_len
     lora = inventory.lora_rank > 0
     passes = 2.0 if lora else 3.0  # forward + input gradients (+ weight gradients)
-    fp8 = c["fp8_gemm_speedup"] if request.fp8 else 1.0
-    dense_rate = c["matmul_tflops"] * c["dense_gemm_efficiency"] * TERA * fp8
+    fp8 = _fp8_gemm_factor(c, passes) if request.fp8 else 1.0
+    dense_rate = c["matmul_tflops"] * c["dense_gemm_efficiency"] * TERA
     imbalance = c["ep_routing_imbalance"] if setting.ep > 1 else 1.0
     recompute_forward = {"none": 0.0, "selective": 0.0, "full": 1.0}[setting.recompute]
     _, act_bytes = precision_bytes(request)
@@ -85,19 +90,21 @@ def step_time(inventory: Inventory, request: PlanRequest, setting: Setting, cali
     layer_seconds = []
     for layer in inventory.layers:
         forward_share = 1.0 / passes  # the part of the layer's compute that recomputation repeats
-        layer_dense = passes * layer.dense_forward_flops * tokens / dense_rate
-        layer_experts = _expert_seconds(layer, setting, c, tokens, passes, imbalance, routing=request.routing) / fp8
+        layer_dense = passes * layer.dense_forward_flops * tokens / dense_rate * fp8
+        layer_experts = _expert_seconds(layer, setting, c, tokens, passes, imbalance, routing=request.routing) * fp8
         layer_attention = _attention_seconds(layer, c, request.seq_len, tokens)
         layer_other = _mamba_seconds(layer, c, tokens) + 3.0 * layer.router_forward_flops * tokens / _router_rate(inventory, c)
         acts = layer_activations(layer, act_bytes=act_bytes, ep=setting.ep, lora_rank=inventory.lora_rank,
                                  routed_rows=None if layer.moe is None else layer.moe.top_k * imbalance,
                                  seq_len=request.seq_len)
         layer_mem = c["membound_traffic"] * acts.held_in_backward * tokens / (c["hbm_tbps"] * TERA)
+        # FP8's weight quantisation is memory-bound too; it counts its own recomputation.
+        layer_quantize = _fp8_weight_quantize_seconds(layer, setting, c, recompute_forward) if request.fp8 else 0.0
         # Recomputation: full checkpointing repeats the layer's forward; selective repeats the cheap ops.
         repeat = recompute_forward * forward_share
         parts = (layer_dense * (1 + repeat), layer_experts * (1 + repeat), layer_attention * (1 + recompute_forward / 3.0),
                  layer_other * (1 + recompute_forward / 3.0),
-                 layer_mem * (1 + (1 / 3.0 if setting.recompute != "none" else 0.0)),
+                 layer_mem * (1 + (1 / 3.0 if setting.recompute != "none" else 0.0)) + layer_quantize,
                  _dispatch_seconds(layer, setting, layout, c, tokens, act_bytes, repeats=1 + recompute_forward / 2))
         dense, experts, attention, other, membound, comm = (
             total + part for total, part in zip((dense, experts, attention, other, membound, comm), parts))
@@ -120,6 +127,22 @@ def step_time(inventory: Inventory, request: PlanRequest, setting: Setting, cali
         memory_bound=membound * accum, communication=per_micro_batch[1] * accum, host_idle=idle * accum,
         optimizer=optimizer, tokens_per_step=tokens * accum, flops_per_token=flops,
     )
+
+
+def _fp8_gemm_factor(c: Calibration, passes: float) -> float:
+    """FP8 GEMM time / bf16's over a layer's passes: forward and input gradient in FP8, the weight
+    gradient (full fine-tuning's third pass) in bf16."""
+    fp8_passes = 2.0
+    return (fp8_passes / c["fp8_gemm_speedup"] + (passes - fp8_passes)) / passes
+
+
+def _fp8_weight_quantize_seconds(layer: LayerShape, setting: Setting, c: Calibration, recompute_forward: float) -> float:
+    """One micro-batch's quantisation of the layer's FP8 weights on this rank: 3 bytes an element (2 read,
+    1 written) for each of the two layouts, and the forward's again when the layer is recomputed."""
+    elements = layer.dense_forward_flops / 2.0
+    if layer.moe is not None:
+        elements += layer.expert_forward_flops / (2.0 * layer.moe.top_k) * layer.moe.num_experts / setting.ep
+    return 3.0 * (2.0 + recompute_forward) * elements / (c["fp8_weight_quantize_tbps"] * TERA)
 
 
 def _host_idle(layer_seconds: list[float], layout: Layout, setting: Setting, c: Calibration) -> float:
