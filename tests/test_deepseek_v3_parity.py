@@ -103,6 +103,23 @@ def test_bf16_router_has_transformers_dtypes_and_balanced_gate_works():
     assert routing.experts_TK.flatten().tolist() == [j % 8 for j in range(12)]
 
 
+@pytest.mark.parametrize("keeps_weight", [True, False])
+def test_router_weight_dtype_follows_the_installed_transformers(keeps_weight, monkeypatch):
+    """Transformers 5.2x keeps the router's weight in fp32 (``gate.weight`` in its
+    ``_keep_in_fp32_modules_strict``); 5.1x kept only the correction bias, its weight in the model's
+    dtype. moetune's router follows the installed version. (An fp32 weight among bf16 ones where
+    Transformers had none made the Trainer's clipping scale each bf16 gradient by its own casting kernel.)"""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3
+
+    names = ["e_score_correction_bias", "gate.weight"] if keeps_weight else ["e_score_correction_bias"]
+    monkeypatch.setattr(modeling_deepseek_v3.DeepseekV3PreTrainedModel, "_keep_in_fp32_modules_strict", names)
+    model = moetune.AutoModelForCausalLM.from_config(tiny_deepseek_v3_config(), dtype=torch.bfloat16)
+    router = model.model.layers[1].mlp.gate
+    assert router.weight.dtype == (torch.float32 if keeps_weight else torch.bfloat16)
+    grad_dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert grad_dtypes == ({torch.bfloat16, torch.float32} if keeps_weight else {torch.bfloat16})
+
+
 def test_multi_token_prediction_layer_is_ignored(tmp_path):
     """Hub checkpoints keep the MTP module as model.layers.61; Transformers ignores it, so does moetune."""
     folder = _save(reference(), tmp_path, "per-expert")
