@@ -23,7 +23,7 @@ from transformers.models.auto import auto_factory
 import moetune
 from moetune.loading_kwargs import FROM_CONFIG_ARGUMENTS
 from moetune.models import FAMILIES
-from moetune.moe import GroupedExperts, GroupLimitedSigmoidRouter
+from moetune.moe import GroupedExperts
 from tests.conftest import tiny_family_config, tiny_qwen3_moe_config
 
 # Fields the model's class fills in: moetune's experts are its own (experts_backend), so the experts
@@ -69,14 +69,11 @@ def _check_like_transformers(family: str, config_fields: dict, kwargs: dict, our
     assert _is_moetune(ours) and ours.config is ours_config  # the caller's config, as Transformers' model holds it
     assert changes == reference_changes
     assert default == reference_default == torch.float32
-    # DeepSeek-V3's / Nemotron-H's router weights and bias stay fp32 in moetune, as in Transformers 5.25
-    # (5.10 built them in the model's dtype).
-    pinned = {f"{name}.{t}" for name, m in ours.named_modules() if isinstance(m, GroupLimitedSigmoidRouter)
-              for t in ("weight", "e_score_correction_bias")}  # fmt: skip
+    # Every tensor in Transformers' dtype, DeepSeek-V3's / Nemotron-H's router included: fp32 in
+    # Transformers 5.2x, the model's dtype before (the router follows the installed version).
     dtypes, reference_dtypes = _dtypes(ours), _dtypes(reference)
-    assert all(dtypes[name] == torch.float32 for name in pinned)
-    assert {d for n, d in dtypes.items() if n not in pinned} == {d for n, d in reference_dtypes.items() if n not in pinned}
-    assert all(reference_dtypes[n] == d for n, d in dtypes.items() if n in reference_dtypes and n not in pinned)
+    assert set(dtypes.values()) == set(reference_dtypes.values())
+    assert all(reference_dtypes[n] == d for n, d in dtypes.items() if n in reference_dtypes)
     assert ours.config._attn_implementation == reference.config._attn_implementation
     assert ours.config.dtype == reference.config.dtype
     return ours
