@@ -223,4 +223,9 @@ def _fill_rates(result: RowResult, flops_per_token: float, peak_tflops: float | 
 def _free(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
+        # cuBLAS keeps a workspace per stream it ran on, in the caching allocator: a graphed row's capture
+        # stream leaves one behind that would count in the next row's peak.
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
