@@ -74,13 +74,24 @@ def test_merge_in_peft_matches_moetune_merge(tmp_path, tokens):
         assert rel_err(merged(tokens).logits, adapted) < 1e-5
 
 
-def test_dense_mlp_targets_cannot_be_exported(tmp_path):
-    # peft rewrites `down_proj` & co. to the experts of a qwen3_moe model: the dense layer's adapter would be lost.
-    model = apply_lora(
-        build_moetune_model(tiny_qwen3_moe_config()), LoraSettings(target_modules=["q_proj", "down_proj"])
-    )
-    with pytest.raises(ValueError, match=r"target_modules \['down_proj'\]"):
-        export_peft_adapter(model, tmp_path / "adapter")
+def test_dense_mlp_targets_export_where_peft_keeps_them(tmp_path, tokens):
+    """peft < 0.22 rewrote `down_proj` & co. to the experts of a qwen3_moe model when loading, so a dense
+    layer's adapter would be lost: the export refuses it. peft 0.22 keeps a name whose modules are all
+    linear layers (and also targets the experts' parameter of that name, which the file leaves at its
+    zero init): the export must then load with the same logits."""
+    settings = LoraSettings(target_modules=["q_proj", "down_proj"])
+    if _peft_version() < (0, 22):
+        model = apply_lora(build_moetune_model(tiny_qwen3_moe_config()), settings)
+        with pytest.raises(ValueError, match=r"target_modules \['down_proj'\]"):
+            export_peft_adapter(model, tmp_path / "adapter")
+        return
+    adapted, base_logits, peft_logits, _ = _export_and_load_with_peft(tmp_path, settings, tokens)
+    assert rel_err(base_logits, adapted) > 1e-2
+    assert rel_err(peft_logits, adapted) < 1e-5
+
+
+def _peft_version() -> tuple[int, ...]:
+    return tuple(int(part) for part in peft.__version__.split(".")[:2])
 
 
 # The same functions on plain Transformers models of other MoE families: transposed expert storage
