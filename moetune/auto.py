@@ -30,6 +30,7 @@ from moetune.checkpoint import (
 )
 from moetune.checkpoint.files import TensorInfo, state_dict_tensors
 from moetune.checkpoint.loader import TensorReader, initialize_afresh
+from moetune.checkpoint.tied import retie_equal, untie_where_both_are_held
 from moetune.distributed import parallelize_for_options
 from moetune.integrations import IMPLEMENTATION_NAME, register_moetune_experts
 from moetune.integrations.transformers_experts import set_fallback_experts_backend
@@ -188,6 +189,7 @@ def load_pretrained(
     # A caller who asks for Transformers' loading report gets Transformers' semantics: what the checkpoint
     # lacks is initialised and reported, what it has beyond the model is reported. Otherwise either is an error.
     report: dict | None = {} if loading["output_loading_info"] else None
+    untied = untie_where_both_are_held(model, tensors, model.checkpoint_layout)
     plan = plan_checkpoint_load(  # raises before allocation
         model, tensors, model.checkpoint_layout, unused=unused, num_checkpoint_layers=num_checkpoint_layers,
         mismatched=mismatched, report=report,
@@ -215,6 +217,7 @@ def load_pretrained(
     else:
         materialize(model, device)
     load_checkpoint(model, plan, TensorReader(state_dict, mmap=not loading["disable_mmap"]))
+    retie_equal(model, untied, source)
     if report and report["missing"]:
         warnings.warn(
             f"{len(report['missing'])} parameters of {type(model).__name__} are not in {source} and were initialised "

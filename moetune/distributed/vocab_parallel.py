@@ -161,7 +161,7 @@ class VocabParallelLMHead:
     ) -> torch.Tensor:
         """``linear_cross_entropy``'s semantics on the split head (``vocab_parallel_cross_entropy``)."""
         normalizer = loss_normalizer(hidden_TH, self.weight.dtype, targets_T, num_items_in_batch=num_items_in_batch,
-                                     ignore_index=ignore_index)  # fmt: skip
+                                     ignore_index=ignore_index, vocab_size=self.weight.shape[0])  # fmt: skip
         return vocab_parallel_cross_entropy(
             hidden_TH, self.weight, targets_T, normalizer, chunk_rows=chunk_rows, ignore_index=ignore_index
         )
@@ -264,7 +264,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         targets_G = gather_rows(pad_rows(torch.where(targets_T == ignore_index, -1, targets_T), longest, -1), group, world)
         normalizers_G = gather_rows(normalizer.reshape(1), group, world).repeat_interleave(longest)
         valid_G = targets_G >= 0
-        scale_G = valid_G.to(acc_dtype) / normalizers_G  # each row's loss weight on its own rank
+        # each row's loss weight on its own rank (0 for ignored rows, also where no row of a rank counts)
+        scale_G = torch.where(valid_G, 1 / normalizers_G, 0.0).to(acc_dtype)
         loss_G = torch.zeros(targets_G.shape, dtype=acc_dtype, device=h_TH.device)
         grad_h_GH = grad_w_SH = None
         with gemm_operands(h_TH, w_SH) as (h_TH_c, w_SH_c):

@@ -41,7 +41,7 @@ def cross_entropy_grad_reference(
     loss_C = (lse_C - target_logit_C) * valid_C
     grad = logits.sub_(lse_C.unsqueeze(1)).exp_()
     grad.scatter_add_(1, safe_targets_C.unsqueeze(1), torch.full_like(lse_C, -1.0).unsqueeze(1))
-    grad.mul_((valid_C.to(acc_dtype) / normalizer).unsqueeze(1))
+    grad.mul_(torch.where(valid_C, 1 / normalizer, 0.0).to(acc_dtype).unsqueeze(1))  # no NaN when no row counts
     logits_CV.copy_(grad)
     return loss_C
 
@@ -109,7 +109,8 @@ if HAS_TRITON:
         safe_target = tl.where(valid, target, 0)
         target_logit = tl.load(base + safe_target).to(tl.float32)
         tl.store(loss_ptr + row, tl.where(valid, lse - target_logit, 0.0))
-        scale = tl.where(valid, 1.0, 0.0) / tl.load(normalizer_ptr).to(tl.float32)
+        # Ignored rows get no gradient, also when no row counts (0 / 0 would make it NaN).
+        scale = tl.where(valid, 1.0 / tl.load(normalizer_ptr).to(tl.float32), 0.0)
         # Pass 2 overwrites the row in place, the target's logit included: every warp reads that
         # logit before any warp may write it (warps run pass 2 without meeting otherwise).
         tl.debug_barrier()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from moetune.kernels.cross_entropy import cross_entropy_grad_, scale_unless_one_
+from moetune.layers.target_check import check_targets
 
 IGNORE_INDEX = -100
 
@@ -107,13 +108,15 @@ def saved_gradients_scaled(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor |
 
 def loss_normalizer(
     hidden_TH: torch.Tensor, weight_dtype: torch.dtype, targets_T: torch.Tensor, *,
-    num_items_in_batch: int | torch.Tensor | None, ignore_index: int,
+    num_items_in_batch: int | torch.Tensor | None, ignore_index: int, vocab_size: int,
 ) -> torch.Tensor:
     """What the summed token losses are divided by: the count of valid targets, or Transformers'
     gradient-accumulation ``num_items_in_batch``; a scalar in the loss's accumulation dtype on the
-    hidden states' device. Also checks that there is one target per hidden row."""
+    hidden states' device. Also checks that there is one target per hidden row, and that every target
+    is ``ignore_index`` or in the vocabulary (``moetune.layers.target_check``)."""
     if hidden_TH.shape[0] != targets_T.shape[0]:
         raise ValueError(f"hidden states have {hidden_TH.shape[0]} rows but targets have {targets_T.shape[0]}")
+    check_targets(targets_T, vocab_size=vocab_size, ignore_index=ignore_index)
     acc_dtype = torch.promote_types(weight_dtype, torch.float32)
     if num_items_in_batch is None:
         return (targets_T != ignore_index).sum().to(acc_dtype)
@@ -145,7 +148,7 @@ def linear_cross_entropy(
             "call lm_head_cross_entropy(head, ...) with the head module, which runs the split loss"
         )
     normalizer = loss_normalizer(hidden_TH, weight_VH.dtype, targets_T, num_items_in_batch=num_items_in_batch,
-                                 ignore_index=ignore_index)  # fmt: skip
+                                 ignore_index=ignore_index, vocab_size=weight_VH.shape[0])  # fmt: skip
     if chunk_rows is None:
         # About 512 MiB of logits per chunk (a few chunks per 4k-token micro-batch on GPU).
         chunk_rows = max(1, (1 << 29) // (weight_VH.shape[0] * weight_VH.element_size()))

@@ -63,7 +63,7 @@ def _causal_conv1d(x_BSD, weight_DK, bias_D, *, seq_idx_BS, activation):
     S, K = x_BSD.shape[1], weight_DK.shape[1]
     x32_BSD = x_BSD.float()
     out_BSD = x32_BSD * weight_DK[:, K - 1].float()
-    for k in range(1, K):
+    for k in range(1, min(K, S)):  # taps reaching before a sequence shorter than the kernel add nothing
         shifted_BSD = F.pad(x32_BSD[:, : S - k], (0, 0, k, 0))  # x[t-k], zero before the row
         if seq_idx_BS is not None:
             same_BS = F.pad(seq_idx_BS[:, k:] == seq_idx_BS[:, : S - k], (k, 0))

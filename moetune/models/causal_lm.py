@@ -23,6 +23,7 @@ import inspect
 
 import torch
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import PreTrainedModel
 from transformers.utils import TransformersKwargs
 from transformers.utils.output_capturing import OutputRecorder
 from typing_extensions import Unpack
@@ -189,7 +190,9 @@ class MoetuneBaseModelMixin(MoetunePreTrainedMixin):
 
     def _is_plain_causal(self, kwargs: dict) -> bool:
         config = self.config
-        masks_itself = self.attention_masks_itself and config._attn_implementation == "eager"
+        # Attention dropout sends moetune's GPT-OSS attention to Transformers' forward, which needs the mask.
+        dropout = self.training and bool(getattr(config, "attention_dropout", 0.0))
+        masks_itself = self.attention_masks_itself and config._attn_implementation == "eager" and not dropout
         return (
             (masks_itself or (config._attn_implementation in _IS_CAUSAL_WITHOUT_MASK
                               and getattr(config, "sliding_window", None) is None))
@@ -249,11 +252,17 @@ class MoetuneCausalLMMixin(MoetunePreTrainedMixin):
         shift_labels = kwargs.pop("shift_labels", None)
         if return_logits is None:
             no_targets = labels is None and shift_labels is None
-            return_logits = no_targets or not self.training or self.return_logits_in_training
-        if self.training and use_cache is None:
+            # A tuple output keeps Transformers' positions only with the logits in it (to_tuple drops
+            # None fields); a loss function of the user's is computed from the logits, as Transformers does.
+            return_logits = (no_targets or not self.training or self.return_logits_in_training or not return_dict
+                             or not self._loss_is_transformers_default())  # fmt: skip
+        if self.training and use_cache is None and return_dict:
             # No KV cache in training: Transformers only turns packed sequences' position_ids into
-            # per-document masks without one, and a cache is dead weight in a training step.
+            # per-document masks without one, and a cache is dead weight in a training step. A tuple
+            # output keeps the config's cache, as Transformers' does, so that its fields keep their places.
             use_cache = False
+        elif self.training and use_cache is None:
+            use_cache = bool(getattr(self.config, "use_cache", False))
         # Only what was given: the backbone reads an absent use_cache as the config's, a None one as off
         # (which would send an evaluation forward down the cache-free plain causal path).
         given = {"position_ids": position_ids, _CACHE_FIELD: cache, "inputs_embeds": inputs_embeds, "use_cache": use_cache}
@@ -293,15 +302,17 @@ class MoetuneCausalLMMixin(MoetunePreTrainedMixin):
             if attention_mask is not None and attention_mask.dim() == 2:
                 # With a KV cache the mask covers past tokens too; the routers saw only the new ones.
                 token_mask = attention_mask[:, -hidden_BSH.shape[1] :]
+            # The model's attributes, as Transformers reads them (copied from the config at construction).
             aux_loss = load_balancing_loss(
                 router_logits,
-                num_experts=self.config.num_experts,
-                top_k=self.config.num_experts_per_tok,
+                num_experts=getattr(self, "num_experts", None) or self.config.num_experts,
+                top_k=getattr(self, "num_experts_per_tok", None) or self.config.num_experts_per_tok,
                 attention_mask=token_mask,
                 group=getattr(self, "aux_loss_group", None),  # global_aux_loss=True: all ranks' tokens
             )
             if loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+                coefficient = getattr(self, "router_aux_loss_coef", self.config.router_aux_loss_coef)
+                loss = loss + coefficient * aux_loss.to(loss.device)
 
         output = MoeCausalLMOutputWithPast(
             loss=loss,
@@ -313,6 +324,14 @@ class MoetuneCausalLMMixin(MoetunePreTrainedMixin):
             **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD, None)},
         )
         return output if return_dict else output.to_tuple()
+
+    def _loss_is_transformers_default(self) -> bool:
+        """Whether ``self.loss_function`` is Transformers' causal-LM cross-entropy, which the fused loss
+        computes without the logits; a loss function set on the model (``model.loss_function = f``, a
+        subclass's own, another ``loss_type``) is called on the logits instead."""
+        if "_loss_function" in self.__dict__ or type(self).loss_function is not PreTrainedModel.loss_function:
+            return False
+        return getattr(self, "loss_type", None) in (None, "ForCausalLM")
 
 
 def _transformers_parent(cls: type) -> type:

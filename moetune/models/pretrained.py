@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -125,8 +126,16 @@ class MoetunePreTrainedMixin:
         ``save_pretrained`` writes by default: Trainer's ``resume_from_checkpoint`` and
         ``load_best_model_at_end`` read a checkpoint's safetensors back through this method, and
         would otherwise leave every expert weight as it was (Transformers v5's own MoE models do,
-        with a missing-keys warning)."""
-        loaded = load_per_expert_tensors(self, state_dict, self.checkpoint_layout)
+        with a missing-keys warning). Keys under the Hub's names (Nemotron-H's ``backbone.``) are read
+        under the model's, as ``from_pretrained`` reads them."""
+        layout = self.checkpoint_layout
+        if any(layout.canonical(key) != key for key in state_dict):
+            metadata = getattr(state_dict, "_metadata", None)
+            state_dict = {layout.canonical(key): tensor for key, tensor in state_dict.items()}
+            if metadata is not None:
+                state_dict = OrderedDict(state_dict)
+                state_dict._metadata = metadata  # torch's per-module versions
+        loaded = load_per_expert_tensors(self, state_dict, layout)
         if loaded is None:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         rest, filled = loaded

@@ -50,11 +50,16 @@ class ExpertAdapter(NamedTuple):
     scaling: float
 
 
+def _relu_squared(t: torch.Tensor) -> torch.Tensor:
+    return F.relu(t).square()
+
+
 def _activation(name: str):
+    # Module-level functions, not lambdas: a model holding them pickles (torch.save(model), deepcopy).
     if name == "silu":
         return F.silu
     if name == "relu2":
-        return lambda t: F.relu(t).square()
+        return _relu_squared
     if name == "gelu":
         return F.gelu
     raise ValueError(f"unsupported expert activation {name!r} (supported: silu, relu2, gelu)")

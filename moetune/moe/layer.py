@@ -16,7 +16,10 @@ from moetune.moe.dispatch import LocalTokenDispatcher, TokenDispatcher
 
 class MoEBlock(nn.Module):
     """Sparse MoE block with Transformers' child names (``gate``, ``experts``, ``shared_experts``;
-    the router is registered as ``router_name``, e.g. GPT-OSS's ``router``)."""
+    the router is registered as ``router_name``, e.g. GPT-OSS's ``router``) in Transformers' order:
+    the experts before the router (Qwen3-MoE, DeepSeek-V3, Nemotron-H in Transformers 5.10-5.25), or
+    after it (``router_first``: GPT-OSS). ``parameters()`` then lists them as Transformers' model
+    does, so an optimizer state saved from one loads into the other's parameters."""
 
     def __init__(
         self,
@@ -26,11 +29,15 @@ class MoEBlock(nn.Module):
         num_experts: int,
         shared_experts: nn.Module | None = None,
         router_name: str = "gate",
+        router_first: bool = False,
     ) -> None:
         super().__init__()
         self._router_name = router_name
-        self.register_module(router_name, gate)
+        if router_first:
+            self.register_module(router_name, gate)
         self.experts = experts
+        if not router_first:
+            self.register_module(router_name, gate)
         if shared_experts is not None:
             self.shared_experts = shared_experts
         self.num_experts = num_experts

@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import torch
 
+from moetune.utils.tied import share, tied_pairs
+
 
 def materialize(model: torch.nn.Module, device: torch.device | str) -> None:
     """Allocate a meta-device model on ``device`` (uninitialised) and recompute its non-persistent
     buffers (RoPE frequencies), which no checkpoint stores."""
+    ties = tied_pairs(model)
     model.to_empty(device=device)
     rebuild_non_persistent_buffers(model, device)
-    if hasattr(model, "tie_weights"):  # to_empty gives each module its own tensor, untying lm_head
-        model.tie_weights()
+    # to_empty gives each module its own tensor, untying lm_head: the ties the model had, again (not
+    # tie_weights(), which would re-tie from the config what loading untied on purpose).
+    for target, source in ties.items():
+        share(model, target, source)
 
 
 @torch.no_grad()

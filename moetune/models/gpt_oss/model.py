@@ -54,6 +54,7 @@ def build_moe_block(config) -> GptOssMoEBlock:
         ),
         num_experts=config.num_local_experts,
         router_name="router",
+        router_first=True,
     )
 
 
