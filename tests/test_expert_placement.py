@@ -79,7 +79,9 @@ def _outputs(model, ids):
 def test_relabelling_keeps_the_function_and_restores(name, tmp_path):
     model = _model(name)
     original = {n: p.detach().clone() for n, p in model.named_parameters()}
-    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(2))
+    # Tokens whose loads make the rebalancing move experts (the assertion below): with some draws the
+    # identity order is already the balanced one.
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     loss, logits, grads = _outputs(model, ids)
     loads = expert_loads(model, [{"input_ids": ids}])
     blocks = {n: m for n, m in model.named_modules() if isinstance(m, MoEBlock)}
