@@ -118,7 +118,7 @@ def test_parameters_come_in_transformers_order(family):
     moved.step()  # shapes line up (a router's moments on an expert tensor would raise here)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_seeded_from_config_draws_transformers_initial_weights(family):
     ref = family_reference(family)
     torch.manual_seed(0)

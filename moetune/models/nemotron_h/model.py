@@ -133,6 +133,18 @@ class NemotronHAttention(hf.NemotronHAttention):
         return self.o_proj(out_BSHD.reshape(*hidden_states.shape[:-1], -1)), None
 
 
+def _random_state() -> tuple:
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.random.get_rng_state(), torch.cuda.get_rng_state() if cuda else None
+
+
+def _set_random_state(state: tuple) -> None:
+    cpu, cuda = state
+    torch.random.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+
+
 class NemotronHBlock(hf.NemotronHBlock):
     """Transformers' block with moetune's mixers: an MoE mixer is replaced by moetune's (built on the
     meta device when loading, so the replaced one costs nothing there), a Mamba-2 mixer becomes
@@ -141,9 +153,14 @@ class NemotronHBlock(hf.NemotronHBlock):
     carry the state and the convolution across."""
 
     def __init__(self, config, layer_idx: int) -> None:
+        random_state = _random_state()
         super().__init__(config, layer_idx)
         self.norm = nemotron_h_rms_norm(config)
         if isinstance(self.mixer, hf.NemotronHMoE):
+            # Transformers' MoE mixer drew its linears' initial values from the random stream; moetune's,
+            # built in its place, draws the same ones again from where it started, so that the stream
+            # goes on as in Transformers' model (a seeded from_config then draws its weights).
+            _set_random_state(random_state)
             self.mixer = build_moe_block(config)
         elif type(self.mixer) is hf.NemotronHMamba2Mixer:
             self.mixer.__class__ = NemotronHMamba2Mixer  # adds a forward only: no state to move
