@@ -32,7 +32,6 @@ from moetune.plan.validation import Measured, predict
 
 HOST_BOUND = "eager LoRA: host-bound step time, not modelled"
 STALE = "commit 369c3fc: before this family's later kernels (its one-GPU step 1.2-1.3x faster since)"
-MAMBA_LORA = "LoRA on Nemotron-H: its step is 27 ms shorter than full fine-tuning against the 21 ms the model removes (the Mamba-2 scan's backward without weight gradients, not modelled)"
 
 # (the results file, which row, the setting) -- the numbers are read from the file.
 RECORDED = [
@@ -55,7 +54,13 @@ RECORDED = [
     ("benchmarks/results/h200_20261201_2aa9b59/lora16_graph_qwen3-30b-a3b-8l_h200_20261201T063437Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h200", lora_rank=16, cuda_graph=True)),
     ("benchmarks/results/h200_20261201_0a767b4/lora16_graph_gpt-oss-20b-6l_h200_20261201T064124Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h200", lora_rank=16, cuda_graph=True)),
     ("benchmarks/results/h200_20261201_0a767b4/lora16_graph_moonlight-16b-a3b-8l_h200_20261201T064054Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h200", lora_rank=16, cuda_graph=True)),
-    ("benchmarks/results/h200_20261201_0a767b4/lora16_graph_nemotron-3-nano-30b-a3b-8l_h200_20261201T064155Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h200", lora_rank=16, cuda_graph=True, note=MAMBA_LORA)),
+    ("benchmarks/results/h200_20261201_0a767b4/lora16_graph_nemotron-3-nano-30b-a3b-8l_h200_20261201T064155Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h200", lora_rank=16, cuda_graph=True)),
+    # One H100, LoRA rank 16, graphed, and Nemotron 3 Nano's full fine-tuning next to it (2026-12-08, commit d0bda59).
+    ("benchmarks/results/h100_20261208_d0bda59/qwen3-30b-a3b-8l_h100_20261208T002913Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h100", lora_rank=16, cuda_graph=True)),
+    ("benchmarks/results/h100_20261208_d0bda59/gpt-oss-20b-6l_h100_20261208T003052Z.json", "real", dict(model="gpt_oss_20b", layers=6, gpu="h100", lora_rank=16, cuda_graph=True)),
+    ("benchmarks/results/h100_20261208_d0bda59/moonlight-16b-a3b-8l_h100_20261208T003112Z.json", "real", dict(model="moonlight_16b_a3b", layers=8, gpu="h100", lora_rank=16, cuda_graph=True)),
+    ("benchmarks/results/h100_20261208_d0bda59/nemotron-3-nano-30b-a3b-8l_h100_20261208T002839Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h100", lora_rank=16, cuda_graph=True)),
+    ("benchmarks/results/h100_20261208_d0bda59/nemotron-3-nano-30b-a3b-8l_h100_20261208T003001Z.json", "real", dict(model="nemotron_3_nano_30b_a3b", layers=8, gpu="h100", cuda_graph=True)),
     # One H200, LoRA rank 16, eager: the working memory (peak - state) is activations. (Eager LoRA
     # steps wait for the host, benchmarks/README.md, 2026-12-01, commit 82e97e6; the planner does not model it.)
     ("benchmarks/results/h200_20261201_65f2cf5/lora16_qwen3-30b-a3b-8l_h200_20261201T062933Z.json", "real", dict(model="qwen3_30b_a3b", layers=8, gpu="h200", lora_rank=16, note=HOST_BOUND)),

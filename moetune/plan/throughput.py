@@ -9,7 +9,9 @@ Per micro-batch (T = micro_batch x seq_len tokens on this rank), forward + backw
   rows each expert gets (``grouped_gemm_tflops`` at 256 rows, scaled by m / (m + m0));
 - attention: the brief's causal FLOPs at the measured rate of the kernel the family runs (cuDNN
   GQA, GPT-OSS's sink attention, DeepSeek-V3's latent attention; sliding windows at a fraction);
-- Mamba-2 scans at the measured time per token; routers in fp32 at the measured SIMT rate;
+- Mamba-2 scans at the measured time per token, less what frozen weights (LoRA) skip in the scan's
+  backward (the convolution's and the scan's own weight gradients); routers in fp32 at the measured
+  SIMT rate;
 - memory-bound kernels: ``membound_traffic`` bytes per byte of each layer's kept activations at
   the HBM bandwidth (recomputed layers pay their forward's share again);
 - recomputation: checkpointed layers run their forward twice;
@@ -93,7 +95,7 @@ def step_time(inventory: Inventory, request: PlanRequest, setting: Setting, cali
         layer_dense = passes * layer.dense_forward_flops * tokens / dense_rate * fp8
         layer_experts = _expert_seconds(layer, setting, c, tokens, passes, imbalance, routing=request.routing) * fp8
         layer_attention = _attention_seconds(layer, c, request.seq_len, tokens)
-        layer_other = _mamba_seconds(layer, c, tokens) + 3.0 * layer.router_forward_flops * tokens / _router_rate(inventory, c)
+        layer_other = _mamba_seconds(layer, c, tokens, frozen=lora) + 3.0 * layer.router_forward_flops * tokens / _router_rate(inventory, c)
         acts = layer_activations(layer, act_bytes=act_bytes, ep=setting.ep, lora_rank=inventory.lora_rank,
                                  routed_rows=None if layer.moe is None else layer.moe.top_k * imbalance,
                                  seq_len=request.seq_len)
@@ -202,12 +204,16 @@ def _attention_seconds(layer: LayerShape, c: Calibration, seq_len: int, tokens: 
     return 3.0 * per_token * tokens / rate
 
 
-def _mamba_seconds(layer: LayerShape, c: Calibration, tokens: int) -> float:
+def _mamba_seconds(layer: LayerShape, c: Calibration, tokens: int, *, frozen: bool) -> float:
+    """The mixer's scan, forward + backward; ``frozen`` (LoRA): without the weight gradients of the
+    convolution, ``A_log``, ``D``, ``dt_bias`` and the gated norm, which the mixer probe times apart
+    (its projections' weight gradients are dense GEMMs, priced with them)."""
     m = layer.mamba
     if m is None:
         return 0.0
     scale = (m.heads * m.head_dim * m.state) / (64 * 64 * 128)  # relative to Nemotron 3 Nano's mixer
-    return c["mamba_scan_us_per_token"] * 1e-6 * scale * tokens
+    per_token = c["mamba_scan_us_per_token"] - (c["mamba_weight_grad_us_per_token"] if frozen else 0.0)
+    return per_token * 1e-6 * scale * tokens
 
 
 def _link(layout: Layout, ranks: int, c: Calibration, *, consecutive: bool) -> tuple[float, float]:
