@@ -30,6 +30,7 @@ def _error(vocab_size: int, ignore_index: int, detail: str) -> ValueError:
     )
 
 
+@torch.compiler.disable  # host-side bookkeeping (a pinned flag, an event): never traced into a compiled loss
 def check_targets(targets_T: torch.Tensor, *, vocab_size: int, ignore_index: int) -> None:
     """Raise a ValueError naming the labels when a target lies outside the vocabulary: at once on CPU,
     from the previous call's targets on CUDA (see the module docstring)."""
