@@ -448,3 +448,18 @@ def test_moetune_trainer_steps_moetunes_adamw_with_the_clipping_folded_in(tmp_pa
         optimizers[name] = type(getattr(trainer.optimizer, "optimizer", trainer.optimizer))
     assert optimizers["moetune"] is AdamW and optimizers["transformers"] is torch.optim.AdamW
     torch.testing.assert_close(torch.tensor(losses["moetune"]), torch.tensor(losses["transformers"]), rtol=2e-2, atol=2e-2)
+
+
+def test_experts_that_read_their_counts_on_the_host_are_not_captured():
+    """The per-expert loop (weights other than bf16, outside bf16 autocast, or the loop backend) sizes
+    its splits from counts read on the host, which a capture cannot: such stacks train eagerly without
+    trying one (it would fail with a warning)."""
+    from moetune.models.options import set_moe_options
+    from moetune.training.graphed_backbone import _experts_read_counts_on_the_host
+
+    fp32 = moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(), dtype=torch.float32)
+    bf16 = moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(), dtype=torch.bfloat16)
+    assert _experts_read_counts_on_the_host(fp32.model)
+    assert not _experts_read_counts_on_the_host(bf16.model)
+    set_moe_options(bf16, experts_backend="loop")
+    assert _experts_read_counts_on_the_host(bf16.model)

@@ -405,6 +405,9 @@ class TrainingGraphs:
         self.eager_reason = None
         if not self.use_graphs:
             return self._island(call, plan, output_router_logits, forward)
+        if _experts_read_counts_on_the_host(backbone):
+            return self._eager("experts run their per-expert loop (weights not bf16, or the loop backend): it reads "
+                               "the token counts on the host, which a CUDA-graph capture cannot")
         state = self._grad_state(adopt=True)
         if state == "accumulate" and not self.graph_accumulation:
             self.eager_reason = "a further micro-batch of gradient accumulation (graph_accumulation is off)"
@@ -640,6 +643,24 @@ def _graphable_now(backbone: torch.nn.Module) -> bool:
     # Activation checkpointing (TRL's default) is captured with its recomputation (see
     # _checkpointing_without_rng_state), which is exact only where the layers draw no random numbers.
     return not (_checkpointing(backbone) and _draws_random_numbers(backbone))
+
+
+def _experts_read_counts_on_the_host(backbone: torch.nn.Module) -> bool:
+    """Whether some experts run their per-expert loop, which sizes its splits from token counts read
+    on the host (``moetune.moe.experts.run_experts``): the ``loop`` backend, or ``auto`` where torch's
+    grouped GEMM does not run (weights other than bf16 outside bf16 autocast, a GPU before sm80). A
+    capture of such a stack would fail; it trains eagerly instead, without trying."""
+    from moetune.moe.experts import GroupedExperts
+
+    experts = [m for m in backbone.modules() if isinstance(m, GroupedExperts) and m.fp8 is None]
+    if not experts:
+        return False
+    bf16_autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    old_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0)
+    return any(
+        m.backend == "loop" or (m.backend == "auto" and (old_gpu or (m.in_proj.dtype != torch.bfloat16 and not bf16_autocast)))
+        for m in experts
+    )
 
 
 def _several_processes() -> bool:
