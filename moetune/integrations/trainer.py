@@ -101,6 +101,15 @@ class MoetuneTrainerMixin:
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
+        optimizer_cls = type(_unwrap(optimizer))
+        if self._moetune_parallel and optimizer_cls.__module__.startswith("transformers."):
+            # Otherwise an opaque "mixed torch.Tensor and DTensor" error in the first step.
+            option = getattr(self.args.optim, "value", self.args.optim)
+            raise ValueError(
+                f"TrainingArguments.optim={option!r}: Transformers' {optimizer_cls.__name__} updates plain tensors, "
+                "not the DTensor shards of an expert-parallel model (ep_size); use optim='adamw_torch' (moetune's "
+                "AdamW) or 'sgd'"
+            )
         if (self._moetune_parallel or _on_one_cuda_device_with_moetune(self.model)) and _plain_torch_adamw(self.optimizer):
             from moetune.optim import AdamW
 

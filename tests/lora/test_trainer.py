@@ -154,3 +154,15 @@ def test_load_state_dict_takes_the_per_expert_layout_save_pretrained_writes(tmp_
     del saved["model.layers.0.mlp.experts.3.up_proj.weight"]
     with pytest.raises(RuntimeError, match=r"Missing key.*experts\.gate_up_proj"):
         target.load_state_dict(saved)
+
+
+def test_moetune_trainer_names_an_optimizer_that_cannot_step_expert_parallel_shards(tmp_path):
+    """Transformers' Adafactor updates plain tensors; on an expert-parallel model (DTensor shards) it
+    failed in the first step with "mixed torch.Tensor and DTensor". moetune.Trainer names the option."""
+    from moetune import Trainer
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), optim="adafactor", use_cpu=True, report_to=[])
+    trainer = Trainer(model=build_moetune_model(tiny_qwen3_moe_config()), args=args, train_dataset=_dataset())
+    trainer._moetune_parallel = True  # what an ep_size model under torchrun sets (tests/distributed run those)
+    with pytest.raises(ValueError, match=r"TrainingArguments.optim='adafactor'.*ep_size.*adamw_torch"):
+        trainer.create_optimizer()
