@@ -120,3 +120,23 @@ def test_sort_ids_equals_stable_argsort_and_bincount(num_ids):
     order, counts = sort_ids(ids, num_ids)
     assert torch.equal(order, torch.argsort(ids, stable=True))
     assert counts.dtype == torch.int64 and torch.equal(counts, torch.bincount(ids, minlength=num_ids))
+
+
+@pytest.mark.parametrize("counts", [[0, 0, 0, 0], [3, 0, 2, 1]], ids=["no-rows", "rows"])
+@pytest.mark.parametrize("padding", [0, 2])
+def test_experts_give_autocasts_dtype_with_or_without_rows(counts, padding):
+    """Under autocast the experts' rows come out in autocast's dtype; a rank whose experts got no rows (or
+    only padding) must give the same dtype, or the expert-parallel all-to-all that takes the rows back
+    moves other byte counts on different ranks (gloo aborted: TRL's SFTTrainer, Nemotron-H, ep_size=2)."""
+    from moetune.moe.experts import run_experts
+
+    experts = GroupedExperts(num_experts=4, hidden_size=8, intermediate_size=4, activation="relu2", gated=False)
+    torch.nn.init.normal_(experts.up_proj, std=0.1)
+    torch.nn.init.normal_(experts.down_proj, std=0.1)
+    x = torch.randn(sum(counts) + padding, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = run_experts(x, torch.tensor(counts), experts.up_proj, experts.down_proj, activate=experts._activate,
+                        backend="loop")  # fmt: skip
+    assert y.dtype == torch.bfloat16 and y.shape == (x.shape[0], 8)
+    y.float().sum().backward()
+    assert x.grad is not None and experts.up_proj.grad is not None

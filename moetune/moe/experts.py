@@ -308,11 +308,22 @@ def run_experts(
         # Padding rows give zeros. With no real rows the weights and the (empty) input still join the
         # graph, so every rank's backward has the same shape: FSDP2's post-backward hook on the input
         # fires and the all-to-all that delivered the rows runs its backward, as on the other ranks.
-        zeros = padding_NH.new_zeros(padding_NH.shape[0], down_proj.shape[1])
+        # In the dtype the real rows come out in (autocast's), on every rank alike: the all-to-all that
+        # takes them back must move the same bytes per row from a rank with no rows as from the others.
+        dtype = _linear_output_dtype(x, down_proj)
+        zeros = padding_NH.new_zeros(padding_NH.shape[0], down_proj.shape[1], dtype=dtype)
         adapters = [t for a in (in_adapter, down_adapter) if a is not None for t in (a.a_ERI, a.b_EOR)]
         weights = [t for t in (in_proj, down_proj, in_bias, down_bias, *adapters) if t is not None]
-        outputs.append(zeros + 0 * (sum(t.sum() for t in weights) + padding_NH.sum()))
+        outputs.append(zeros + (0 * (sum(t.sum() for t in weights) + padding_NH.sum())).to(dtype))
     return torch.cat(outputs)
+
+
+def _linear_output_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """What ``F.linear(x, weight)`` returns: autocast's dtype where autocast is on for ``x``'s device."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(x.dtype, weight.dtype)
 
 
 def _experts_with_gathered_weights(
