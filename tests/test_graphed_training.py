@@ -455,11 +455,15 @@ def test_experts_that_read_their_counts_on_the_host_are_not_captured():
     its splits from counts read on the host, which a capture cannot: such stacks train eagerly without
     trying one (it would fail with a warning)."""
     from moetune.models.options import set_moe_options
+    from moetune.moe import GroupedExperts
     from moetune.training.graphed_backbone import _experts_read_counts_on_the_host
 
-    fp32 = moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(), dtype=torch.float32)
-    bf16 = moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(), dtype=torch.bfloat16)
-    assert _experts_read_counts_on_the_host(fp32.model)
-    assert not _experts_read_counts_on_the_host(bf16.model)
-    set_moe_options(bf16, experts_backend="loop")
-    assert _experts_read_counts_on_the_host(bf16.model)
+    def experts(dtype, **options):
+        model = moetune.AutoModelForCausalLM.from_config(tiny_qwen3_moe_config(), dtype=dtype)
+        set_moe_options(model, **options)
+        return [m for m in model.modules() if isinstance(m, GroupedExperts)]
+
+    assert _experts_read_counts_on_the_host(experts(torch.float32))
+    assert _experts_read_counts_on_the_host(experts(torch.bfloat16))  # on CPU: no grouped GEMM either
+    assert _experts_read_counts_on_the_host(experts(torch.bfloat16, experts_backend="loop"))
+    assert not _experts_read_counts_on_the_host(experts(torch.bfloat16, experts_backend="triton"))

@@ -32,6 +32,7 @@ from torch import nn
 from moetune.checkpoint import fp8, mxfp4
 from moetune.checkpoint.files import TensorInfo, open_safetensors
 from moetune.utils.file_errors import unreadable_safetensors
+from moetune.utils.tied import tied_pairs
 from moetune.checkpoint.layout import CheckpointLayout, Region
 
 
@@ -58,11 +59,6 @@ def model_tensor_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     }
     shapes.update({name: tuple(b.shape) for name, b in model.named_buffers() if name in persistent})
     return shapes
-
-
-def _tied_names(model: nn.Module) -> set[str]:
-    unique = {name for name, _ in model.named_parameters()}
-    return {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
 
 
 # A decoder layer's index in a tensor name: "model.layers.12.mlp..." -> 12.
@@ -112,7 +108,7 @@ def plan_checkpoint_load(
     num_layers = max(layer_indices) + 1 if layer_indices else None
     if num_checkpoint_layers is None:
         num_checkpoint_layers = num_layers
-    tied = _tied_names(model)
+    tied = set(tied_pairs(model))  # the later names of shared tensors: filled through the first
     items: list[LoadItem] = []
     unexpected, misshaped, missing = [], [], []
     reported: set[str] = set()  # parameters a mis-shaped tensor or missing scales already account for

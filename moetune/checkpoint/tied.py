@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from moetune.checkpoint.layout import CheckpointLayout
-from moetune.utils.tied import share, tied_pairs
+from moetune.utils.tied import share, tied_pairs, untie
 
 
 def untie_where_both_are_held(model: nn.Module, tensors: dict, layout: CheckpointLayout) -> list[tuple[str, str]]:
@@ -28,10 +28,7 @@ def untie_where_both_are_held(model: nn.Module, tensors: dict, layout: Checkpoin
     untied = []
     for target, source in tied_pairs(model).items():
         if target in held and source in held:
-            module_name, _, attr = target.rpartition(".")
-            module = model.get_submodule(module_name)
-            shared = getattr(module, attr)
-            setattr(module, attr, nn.Parameter(torch.empty_like(shared), requires_grad=shared.requires_grad))
+            untie(model, target)
             _forget_tie(model, target)
             untied.append((target, source))
     return untied

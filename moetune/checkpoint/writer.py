@@ -23,6 +23,7 @@ from torch import nn
 
 from moetune.checkpoint.files import INDEX_NAME, SINGLE_NAME, is_weight_file_of, shard_name, with_variant
 from moetune.checkpoint.layout import CheckpointLayout
+from moetune.utils.tied import tied_pairs
 
 _UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -41,8 +42,7 @@ def full_tensors(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = 
     """(name, full tensor) for every entry of the state dict, gathering sharded ones."""
     tensors = state_dict if state_dict is not None else model.state_dict()
     # Tied parameters (lm_head = embed_tokens) are written once, as Transformers does.
-    unique = {name for name, _ in model.named_parameters()}
-    tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - unique
+    tied = tied_pairs(model)
     for name, tensor in tensors.items():
         if name in tied:
             continue

@@ -35,11 +35,16 @@ grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
     """torch's grouped GEMM: CUDA sm80+, bf16. (CPU has no autograd-safe kernel for fp32 weights.)"""
+    return grouped_mm_runs(x.device, x.dtype)
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """``grouped_mm_supported`` for rows of ``dtype`` on ``device``."""
     return (
         grouped_mm is not None
-        and x.is_cuda
-        and x.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        and device.type == "cuda"
+        and dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(device) >= (8, 0)
     )
 
 

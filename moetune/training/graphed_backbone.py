@@ -346,6 +346,7 @@ class TrainingGraphs:
     def _reset(self) -> None:
         self._signature: tuple | None = None
         self._params: list[torch.nn.Parameter] = []
+        self._experts: list[torch.nn.Module] = []  # the stack's grouped experts (_experts_read_counts_on_the_host)
         self._grads: list[torch.Tensor | None] | None = None  # the shared .grad tensors, once captured
         self._adopted = False  # whether they are a loop's own (see _grad_state)
         self._buckets: dict[tuple, _Bucket] = {}
@@ -405,7 +406,7 @@ class TrainingGraphs:
         self.eager_reason = None
         if not self.use_graphs:
             return self._island(call, plan, output_router_logits, forward)
-        if _experts_read_counts_on_the_host(backbone):
+        if _experts_read_counts_on_the_host(self._experts):
             return self._eager("experts run their per-expert loop (weights not bf16, or the loop backend): it reads "
                                "the token counts on the host, which a CUDA-graph capture cannot")
         state = self._grad_state(adopt=True)
@@ -502,6 +503,9 @@ class TrainingGraphs:
             self._params = []
             return False
         self._params = [p for p in params if p.requires_grad]
+        from moetune.moe.experts import GroupedExperts
+
+        self._experts = [m for m in backbone.modules() if isinstance(m, GroupedExperts)]
         self._token = torch.zeros((), device=device, requires_grad=True) if self._params else None
         return bool(self._params)
 
@@ -645,22 +649,22 @@ def _graphable_now(backbone: torch.nn.Module) -> bool:
     return not (_checkpointing(backbone) and _draws_random_numbers(backbone))
 
 
-def _experts_read_counts_on_the_host(backbone: torch.nn.Module) -> bool:
+def _experts_read_counts_on_the_host(experts: list[torch.nn.Module]) -> bool:
     """Whether some experts run their per-expert loop, which sizes its splits from token counts read
     on the host (``moetune.moe.experts.run_experts``): the ``loop`` backend, or ``auto`` where torch's
-    grouped GEMM does not run (weights other than bf16 outside bf16 autocast, a GPU before sm80). A
-    capture of such a stack would fail; it trains eagerly instead, without trying."""
-    from moetune.moe.experts import GroupedExperts
+    grouped GEMM does not run on the rows (in autocast's dtype where it is on: weights other than bf16
+    outside bf16 autocast, a GPU before sm80). A capture of such a stack would fail; it trains eagerly
+    instead, without trying."""
+    from moetune.kernels.grouped_gemm import grouped_mm_runs
+    from moetune.utils.autocast import cuda_autocast_dtype
 
-    experts = [m for m in backbone.modules() if isinstance(m, GroupedExperts) and m.fp8 is None]
-    if not experts:
-        return False
-    bf16_autocast = torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
-    old_gpu = torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 0)
-    return any(
-        m.backend == "loop" or (m.backend == "auto" and (old_gpu or (m.in_proj.dtype != torch.bfloat16 and not bf16_autocast)))
-        for m in experts
-    )
+    def loops(m) -> bool:
+        if m.fp8 is not None or m.backend not in ("auto", "loop"):
+            return False
+        weight = m.in_proj
+        return m.backend == "loop" or not grouped_mm_runs(weight.device, cuda_autocast_dtype(weight) or weight.dtype)
+
+    return any(loops(m) for m in experts)
 
 
 def _several_processes() -> bool:

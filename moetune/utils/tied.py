@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 
@@ -21,3 +22,12 @@ def share(model: nn.Module, target: str, source: str) -> None:
     """Make parameter ``target`` the same tensor as parameter ``source``."""
     module_name, _, attr = target.rpartition(".")
     setattr(model.get_submodule(module_name), attr, model.get_parameter(source))
+
+
+def untie(model: nn.Module, target: str) -> None:
+    """Give parameter ``target`` a tensor of its own (same shape, dtype, device and ``requires_grad``,
+    uninitialised)."""
+    module_name, _, attr = target.rpartition(".")
+    module = model.get_submodule(module_name)
+    shared = getattr(module, attr)
+    setattr(module, attr, nn.Parameter(torch.empty_like(shared), requires_grad=shared.requires_grad))
